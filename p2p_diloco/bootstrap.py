@@ -1,0 +1,104 @@
+"""A bootstrap node: a DHT peer that does not train, with a stable identity and address.
+
+It is only a well-known entry point. Once a learner has joined, any running learner's address works
+as ``--initial-peers`` for the next one, so losing the bootstrap node stops nobody.
+
+Its private key lives in an identity file, created on the first run and reused afterwards, so its
+peer ID (the ``/p2p/...`` part of the multiaddr) survives restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvloop
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from p2p_diloco.config import ConfigError, read_toml
+
+logger = logging.getLogger("p2p_diloco.bootstrap")
+
+
+class BootstrapConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"])
+    announce_maddrs: list[str] = Field(default_factory=list)
+    initial_peers: list[str] = Field(default_factory=list)
+    identity_path: str = "bootstrap/identity.key"
+    maddrs_file: str | None = None
+    refresh_period: float = Field(30.0, gt=0.0)
+    startup_timeout: float = Field(60.0, gt=0.0)
+
+
+def load_bootstrap_config(path: str | None, overrides: dict) -> BootstrapConfig:
+    data = read_toml(path) if path else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return BootstrapConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+@dataclass
+class BootstrapNode:
+    cfg: BootstrapConfig
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def serve(self) -> None:
+        import hivemind  # imported late: hivemind reads its log level from the environment
+
+        from p2p_diloco.learner import LearnerError
+
+        Path(self.cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        try:
+            dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
+                initial_peers=self.cfg.initial_peers or None,
+                host_maddrs=self.cfg.host_maddrs,
+                announce_maddrs=self.cfg.announce_maddrs or None,
+                identity_path=self.cfg.identity_path,
+                startup_timeout=self.cfg.startup_timeout,
+                start=True,
+            ))
+        except Exception as e:  # noqa: BLE001
+            raise LearnerError(f"could not start the bootstrap DHT node ({type(e).__name__}: {e})") from None
+        try:
+            maddrs = [str(a) for a in dht.get_visible_maddrs()]
+            logger.info(f"bootstrap node {dht.peer_id} is up; give learners one of:")
+            for a in maddrs:
+                logger.info(f"  --initial-peers {a}")
+            if self.cfg.maddrs_file:
+                path = Path(self.cfg.maddrs_file)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("\n".join(maddrs) + "\n")
+                tmp.replace(path)
+            while not self.stop.is_set():
+                try:
+                    await asyncio.wait_for(self.stop.wait(), timeout=self.cfg.refresh_period)
+                except TimeoutError:
+                    n = await loop.run_in_executor(None, _routing_table_size, dht)
+                    logger.info(f"{n} other DHT peers in the routing table")
+            logger.info("shutting down the bootstrap node")
+        finally:
+            await loop.run_in_executor(None, dht.shutdown)
+
+
+async def _count_peers(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def _routing_table_size(dht) -> int:
+    return dht.run_coroutine(_count_peers)
+
+
+def run_bootstrap(cfg: BootstrapConfig) -> None:
+    uvloop.run(BootstrapNode(cfg).serve())

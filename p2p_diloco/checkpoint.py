@@ -1,0 +1,96 @@
+"""Atomic checkpoints of a learner: global state, local model and inner optimizer, counters, config.
+
+A checkpoint is written to a temporary file in the same directory, flushed to disk, then renamed
+over ``latest.pt``: a crash mid-write leaves the previous checkpoint intact. Files are loaded with
+``weights_only=True`` so a checkpoint cannot execute code.
+
+The directory is locked (``flock``) for the lifetime of the learner that uses it, so two learners
+on one machine never write into the same place; without ``--checkpoint-dir`` a learner takes the
+first free ``checkpoints/learner-N``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest.pt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class DirectoryLock:
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def claim_checkpoint_dir(explicit: str | None, root: str = "checkpoints") -> tuple[Path, DirectoryLock]:
+    """Lock ``explicit``, or the first free ``{root}/learner-N``; error if ``explicit`` is in use."""
+    if explicit is not None:
+        path = Path(explicit)
+        lock = DirectoryLock(path)
+        if not lock.try_acquire():
+            raise CheckpointError(f"checkpoint dir {path} is in use by another running learner")
+        return path, lock
+    for n in range(10_000):
+        path = Path(root) / f"learner-{n}"
+        lock = DirectoryLock(path)
+        if lock.try_acquire():
+            return path, lock
+    raise CheckpointError(f"no free checkpoint directory under {root}")
+
+
+def save_checkpoint(directory: Path, payload: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / LATEST
+    tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
+    with tmp.open("wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return final
+
+
+def load_checkpoint(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint in ``directory``, None if there is none; CheckpointError if it is unreadable."""
+    path = directory / LATEST
+    if not path.exists():
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure here means a corrupt file
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
+                              "move it away to start fresh") from None
+    if not isinstance(payload, dict) or payload.get("format") != 1:
+        raise CheckpointError(f"checkpoint {path} is not a p2p-diloco checkpoint")
+    return payload

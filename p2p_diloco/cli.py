@@ -1,0 +1,157 @@
+"""``p2p-diloco``: bootstrap | learner | swarm.
+
+Errors a user can cause are printed as one line (``error: ...``) with exit code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from p2p_diloco.config import ConfigError, load_learner_config
+
+EXIT_USAGE = 2
+
+
+def _add_network_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                   help="multiaddrs of any running peer (bootstrap node or learner), "
+                        "e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR",
+                   help="addresses to listen on (default /ip4/0.0.0.0/tcp/0; the bootstrap node uses tcp/31337)")
+    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR",
+                   help="public addresses to announce to peers, e.g. /ip4/203.0.113.7/tcp/31337 behind NAT")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bootstrap", help="run a DHT entry point that does not train")
+    b.add_argument("--config", help="TOML file, e.g. bootstrap/bootstrap.toml")
+    _add_network_flags(b)
+    b.add_argument("--identity", dest="identity_path", help="private key file (created if missing)")
+    b.add_argument("--maddrs-file", help="write the node's visible multiaddrs to this file")
+
+    ln = sub.add_parser("learner", help="train as one learner unit of the swarm")
+    ln.add_argument("--config", help="peer config, e.g. peers/small-cpu.toml (default: built-in defaults)")
+    _add_network_flags(ln)
+    ln.add_argument("--run-id", help="swarm name; learners only average with the same run id")
+    ln.add_argument("--data", help="a text file or a directory of text files (default: Python stdlib sources)")
+    ln.add_argument("--shard-index", type=int, help="which data shard this learner owns (default: from peer id)")
+    ln.add_argument("--num-shards", type=int, help="number of data shards the corpus is split into")
+    ln.add_argument("--max-outer-steps", type=int, help="stop once the global version reaches N")
+    ln.add_argument("--checkpoint-dir", help="where checkpoints go (default: first free checkpoints/learner-N)")
+    ln.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    ln.add_argument("--summary", help="write a JSON summary here at exit")
+    ln.add_argument("--seed", type=int, help="model init and sampling seed (same for the whole swarm)")
+    ln.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override any config field, e.g. --set inner.lr=3e-4 (repeatable)")
+
+    s = sub.add_parser("swarm", help="run a bootstrap node and N learners on this machine (demo)")
+    s.add_argument("--learners", type=int, default=3)
+    s.add_argument("--config", default=str(Path("peers") / "small-cpu.toml"))
+    s.add_argument("--max-outer-steps", type=int, default=6)
+    s.add_argument("--workdir", default="runs/local-swarm", help="checkpoints, summaries and bootstrap key")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="passed on to every learner")
+    return parser
+
+
+def _learner_overrides(args: argparse.Namespace) -> list[str]:
+    """CLI flags become dotted overrides applied after the config file, in one place."""
+    def q(v) -> str:
+        import json
+        return json.dumps(v)
+
+    pairs = {
+        "network.initial_peers": args.initial_peers, "network.host_maddrs": args.host_maddrs,
+        "network.announce_maddrs": args.announce_maddrs, "network.run_id": args.run_id,
+        "data.path": args.data, "data.shard_index": args.shard_index, "data.num_shards": args.num_shards,
+        "run.max_outer_steps": args.max_outer_steps, "run.checkpoint_dir": args.checkpoint_dir,
+        "run.summary": args.summary, "run.seed": args.seed,
+    }
+    out = [f"{k}={q(v)}" for k, v in pairs.items() if v is not None]
+    if args.resume:
+        out.append("run.resume=true")
+    return out + list(args.overrides)
+
+
+def _configure_logging(level: str) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING" if level != "DEBUG" else "DEBUG")
+    logging.basicConfig(level=level, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def _run_learner(args: argparse.Namespace) -> int:
+    cfg = load_learner_config(args.config, _learner_overrides(args))
+    from p2p_diloco.learner import Learner, write_summary
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        logging.getLogger("p2p_diloco").info(f"caught {signal.Signals(signum).name}; leaving after this step")
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    summary = Learner(cfg, stop).run()
+    if cfg.run.summary:
+        write_summary(cfg.run.summary, summary)
+    logging.getLogger("p2p_diloco").info(
+        f"finished at version {summary['version']} sha {summary['global_state_sha256'][:16]} "
+        f"eval_loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f}"
+    )
+    return 0
+
+
+def _run_bootstrap(args: argparse.Namespace) -> int:
+    from p2p_diloco.bootstrap import load_bootstrap_config, run_bootstrap
+
+    cfg = load_bootstrap_config(args.config, {
+        "host_maddrs": args.host_maddrs, "announce_maddrs": args.announce_maddrs,
+        "initial_peers": args.initial_peers, "identity_path": args.identity_path, "maddrs_file": args.maddrs_file,
+    })
+    run_bootstrap(cfg)
+    return 0
+
+
+def _run_swarm(args: argparse.Namespace) -> int:
+    from p2p_diloco.local_swarm import SwarmOptions
+    from p2p_diloco.local_swarm import main as swarm_main
+
+    if args.learners < 1:
+        raise ConfigError("--learners must be at least 1")
+    load_learner_config(args.config, list(args.overrides))  # fail fast, before any process starts
+    extra = [a for o in args.overrides for a in ("--set", o)]
+    return swarm_main(SwarmOptions(args.learners, args.config, args.max_outer_steps, Path(args.workdir), extra))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_level)
+    from p2p_diloco.checkpoint import CheckpointError
+    from p2p_diloco.data import DataError
+
+    user_errors: tuple[type[BaseException], ...] = (ConfigError, DataError, CheckpointError)
+    try:
+        from p2p_diloco.learner import LearnerError
+
+        user_errors += (LearnerError,)
+        handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm}[args.command]
+        return handler(args)
+    except user_errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

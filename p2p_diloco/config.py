@@ -1,0 +1,203 @@
+"""Typed configuration of a learner, loaded from a TOML file in ``peers/`` and overridden from the CLI.
+
+One place resolves the configuration: :func:`load_learner_config` reads the file, applies dotted
+overrides (``inner.lr=3e-4``) and validates the result. Any problem becomes a :class:`ConfigError`
+whose message is one line naming the field, which the CLI prints before exiting non-zero.
+
+Example::
+
+    >>> cfg = load_learner_config(None, ["inner.steps_per_outer=10", "averaging.min_group_size=3"])
+    >>> cfg.inner.steps_per_outer, cfg.averaging.min_group_size
+    (10, 3)
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; the message is a single line meant for the terminal."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Byte-level GPT defined in :mod:`p2p_diloco.model`."""
+
+    n_layer: int = Field(2, ge=1, le=64)
+    n_head: int = Field(4, ge=1, le=64)
+    n_embd: int = Field(64, ge=8, le=8192)
+    seq_len: int = Field(64, ge=8, le=8192)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class DataConfig(_Section):
+    """Where text comes from and which shard of it this learner owns.
+
+    ``path`` = None uses the embedded default corpus: the source files of the running Python's
+    standard library, present on every machine without a download.
+    """
+
+    path: str | None = None
+    num_shards: int = Field(16, ge=1, le=100_000)
+    # None: derived from the learner's peer ID, so learners started without thought get distinct shards.
+    shard_index: int | None = Field(None, ge=0)
+    eval_fraction: float = Field(0.02, gt=0.0, lt=0.5)
+    eval_batches: int = Field(8, ge=1, le=10_000)
+    max_corpus_mb: float = Field(64.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> DataConfig:
+        if self.shard_index is not None and self.shard_index >= self.num_shards:
+            raise ValueError(f"shard_index ({self.shard_index}) must be below num_shards ({self.num_shards})")
+        return self
+
+
+class InnerConfig(_Section):
+    """Local AdamW steps taken between two outer steps."""
+
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    batch_size: int = Field(16, ge=1)
+    steps_per_outer: int = Field(50, ge=1, description="H: inner steps per outer step")
+    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    # Artificial slow-down per inner step, for tests and mixed-speed benchmarks.
+    extra_step_seconds: float = Field(0.0, ge=0.0)
+
+
+class OuterConfig(_Section):
+    """Outer optimizer: SGD with Nesterov momentum on the fp32 global parameters."""
+
+    lr: float = Field(0.7, gt=0.0, le=10.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    nesterov: bool = True
+
+
+class AveragingConfig(_Section):
+    """Groups formed through the DHT for butterfly all-reduce of outer gradients."""
+
+    min_group_size: int = Field(2, ge=1)
+    target_group_size: int = Field(16, ge=1)
+    matchmaking_time: float = Field(4.0, gt=0.0, description="min seconds a leader waits for groupmates")
+    request_timeout: float = Field(2.0, gt=0.0)
+    round_timeout: float = Field(15.0, gt=0.0, description="give up finding a group after this long")
+    allreduce_timeout: float = Field(120.0, gt=0.0)
+    next_chunk_timeout: float = Field(15.0, gt=0.0)
+    compression: Literal["none", "fp16"] = "none"
+    max_delta_norm: float = Field(1e4, gt=0.0, description="reject averaged outer gradients above this norm")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AveragingConfig:
+        if self.target_group_size < self.min_group_size:
+            raise ValueError("target_group_size must be >= min_group_size")
+        if self.request_timeout >= self.matchmaking_time:
+            # hivemind's matchmaking can deadlock otherwise (its own documented requirement).
+            raise ValueError("request_timeout must be smaller than matchmaking_time")
+        if self.round_timeout <= self.matchmaking_time:
+            raise ValueError("round_timeout must be larger than matchmaking_time")
+        return self
+
+
+class NetworkConfig(_Section):
+    run_id: str = Field("p2p-diloco", pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    initial_peers: list[str] = Field(default_factory=list)
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = Field(default_factory=list)
+    startup_timeout: float = Field(60.0, gt=0.0, description="seconds p2pd may take to start")
+    record_ttl: float = Field(30.0, gt=1.0, description="lifetime of this learner's progress record in the DHT")
+
+
+class RunConfig(_Section):
+    seed: int = 0
+    max_outer_steps: int | None = Field(None, ge=1, description="stop once the global version reaches this")
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    summary: str | None = None
+    threads: int = Field(1, ge=1, le=256, description="torch intra-op threads")
+    linger_seconds: float = Field(60.0, ge=0.0, description="after finishing, keep serving state this long")
+    log_every: int = Field(10, ge=1, description="inner steps between progress lines")
+
+
+class LearnerConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {msg}{extra}"
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way TOML would, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one ``section.field=value`` override to a nested dict (in place)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected section.field=value")
+    key, _, value = override.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r}: empty field name")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = _parse_scalar(value.strip())
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def validate_learner_config(data: dict[str, Any]) -> LearnerConfig:
+    try:
+        return LearnerConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_first_error(e)) from None
+
+
+def load_learner_config(path: str | Path | None, overrides: list[str] = ()) -> LearnerConfig:
+    """Read ``path`` (TOML; None means all defaults), apply ``overrides`` in order, validate."""
+    data = read_toml(path) if path is not None else {}
+    for override in overrides:
+        apply_override(data, override)
+    return validate_learner_config(data)

@@ -1,0 +1,141 @@
+"""``p2p-diloco swarm``: a bootstrap node and N learners as separate processes on loopback.
+
+This is the README's first command: it shows the whole system on one machine. Every learner is a
+real ``p2p-diloco learner`` process with its own p2pd daemon, data shard and checkpoint directory;
+they find each other only through the DHT, exactly as they would on separate machines.
+The supervisor is an asyncio program on uvloop that prefixes and forwards each process's output,
+and on Ctrl+C or SIGTERM passes the signal on and waits for every process to leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvloop
+
+
+@dataclass
+class SwarmOptions:
+    learners: int
+    config: str
+    max_outer_steps: int
+    workdir: Path
+    extra: list[str]
+    startup_timeout: float = 120.0
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "p2p_diloco"]
+
+
+async def _pump(name: str, stream: asyncio.StreamReader) -> None:
+    while line := await stream.readline():
+        sys.stdout.write(f"{name:>10} | {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+async def _spawn(name: str, args: list[str]) -> tuple[asyncio.subprocess.Process, asyncio.Task]:
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return proc, asyncio.create_task(_pump(name, proc.stdout))
+
+
+async def _wait_for_file(path: Path, proc: asyncio.subprocess.Process, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()[0]
+        if proc.returncode is not None:
+            raise RuntimeError(f"bootstrap node exited with code {proc.returncode}")
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
+
+
+async def _stop_all(procs: list[asyncio.subprocess.Process], grace: float = 20.0) -> None:
+    for p in procs:
+        if p.returncode is None:
+            p.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
+    except TimeoutError:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        await asyncio.gather(*(p.wait() for p in procs))
+
+
+async def run_swarm(opts: SwarmOptions) -> int:
+    work = opts.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    maddrs_file = work / "bootstrap.maddrs"
+    maddrs_file.unlink(missing_ok=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    boot, boot_pump = await _spawn("bootstrap", [
+        *_cli(), "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--identity", str(work / "bootstrap.key"), "--maddrs-file", str(maddrs_file),
+    ])
+    procs, pumps = [boot], [boot_pump]
+    try:
+        bootstrap_addr = await _wait_for_file(maddrs_file, boot, opts.startup_timeout)
+        learners = []
+        for i in range(opts.learners):
+            args = [
+                *_cli(), "learner", "--config", opts.config, "--initial-peers", bootstrap_addr,
+                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard-index", str(i),
+                "--num-shards", str(max(opts.learners, 1)), "--max-outer-steps", str(opts.max_outer_steps),
+                "--checkpoint-dir", str(work / f"learner-{i}"), "--summary", str(work / f"summary-{i}.json"),
+                *opts.extra,
+            ]
+            proc, pump = await _spawn(f"learner-{i}", args)
+            learners.append(proc)
+            procs.append(proc)
+            pumps.append(pump)
+        waiter = asyncio.ensure_future(asyncio.gather(*(p.wait() for p in learners)))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if stop.is_set():
+            print("swarm: stopping all processes", flush=True)
+    finally:
+        await _stop_all(procs)
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+    return _report(work, opts.learners, [p.returncode for p in procs[1:]])
+
+
+def _report(work: Path, n: int, codes: list[int | None]) -> int:
+    rows = []
+    for i in range(n):
+        path = work / f"summary-{i}.json"
+        if path.exists():
+            rows.append((i, json.loads(path.read_text())))
+    print("\nswarm summary")
+    print(f"{'learner':>8} {'version':>8} {'rounds':>7} {'tokens':>10} {'eval first':>11} {'eval last':>10}  sha256")
+    for i, s in rows:
+        print(f"{i:>8} {s['version']:>8} {s['outer_steps']:>7} {s['tokens']:>10} "
+              f"{s['first_eval_loss']:>11.4f} {s['last_eval_loss']:>10.4f}  {s['global_state_sha256'][:16]}")
+    hashes = {s["global_state_sha256"] for _, s in rows}
+    ok = len(rows) == n and len(hashes) == 1 and all(c == 0 for c in codes)
+    if ok:
+        print(f"all {n} learners hold the same global state; eval loss "
+              f"{rows[0][1]['first_eval_loss']:.4f} -> {rows[0][1]['last_eval_loss']:.4f}")
+    else:
+        print(f"learners ended with {len(hashes)} distinct global states; exit codes {codes}")
+    return 0 if ok else 1
+
+
+def main(opts: SwarmOptions) -> int:
+    return uvloop.run(run_swarm(opts))

@@ -1,0 +1,132 @@
+"""The DiLoCo outer step, free of networking.
+
+Global state = (Θ, outer-optimizer momentum, version). A learner runs H inner steps from Θ and
+reaches θ; its outer gradient (pseudo-gradient) is Δ = Θ − θ. The swarm averages Δ weighted by the
+tokens behind it, and every member applies the same Nesterov-SGD step to its fp32 copy of Θ::
+
+    b ← μ·b + Δ̄            (b = Δ̄ on the very first step, like torch.optim.SGD)
+    Θ ← Θ − lr·(Δ̄ + μ·b)    (Nesterov; plain momentum uses Θ ← Θ − lr·b)
+
+The update is a fixed sequence of fp32 CPU tensor operations, so learners that start from
+bit-identical state and apply bit-identical Δ̄ end bit-identical: that is what lets one hash stand
+for the global state across the swarm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.config import OuterConfig
+
+
+@dataclass
+class GlobalState:
+    """Θ (fp32, CPU), the outer momentum buffers and the version (number of outer steps applied)."""
+
+    params: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    version: int = 0
+    momentum_initialized: bool = False
+    tokens: int = 0  # tokens merged into this lineage so far, summed over all learners
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module) -> GlobalState:
+        params = [p.detach().to("cpu", torch.float32, copy=True) for p in module.parameters()]
+        return cls(params=params, momentum=[torch.zeros_like(p) for p in params])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.params, *self.momentum]
+
+    def sha256(self) -> str:
+        return state_sha256(self.tensors(), self.version, self.momentum_initialized)
+
+    def copy(self) -> GlobalState:
+        return GlobalState(
+            params=[p.clone() for p in self.params],
+            momentum=[m.clone() for m in self.momentum],
+            version=self.version,
+            momentum_initialized=self.momentum_initialized,
+            tokens=self.tokens,
+        )
+
+
+def state_sha256(tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool) -> str:
+    h = hashlib.sha256()
+    h.update(f"v{version}m{int(momentum_initialized)}".encode())
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> list:
+    """Δ = Θ − θ in fp32 on CPU."""
+    return [g - p.detach().to("cpu", torch.float32) for g, p in zip(global_params, local_params, strict=True)]
+
+
+def weighted_mean(deltas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Reference Σ wᵢ Δᵢ / Σ wᵢ (used by tests and the in-process averaging fake)."""
+    if not deltas:
+        raise ValueError("no outer gradients to average")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weights must sum to a positive number")
+    out = [torch.zeros_like(t, dtype=torch.float32) for t in deltas[0]]
+    for delta, w in zip(deltas, weights, strict=True):
+        for acc, t in zip(out, delta, strict=True):
+            acc.add_(t.float(), alpha=float(w))
+    return [acc.div_(total) for acc in out]
+
+
+@dataclass
+class OuterOptimizer:
+    """SGD with (Nesterov) momentum applied in place to a :class:`GlobalState`."""
+
+    cfg: OuterConfig
+    _scratch: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @torch.no_grad()
+    def apply(self, state: GlobalState, avg_delta: Sequence[torch.Tensor], tokens: int = 0) -> None:
+        if len(avg_delta) != len(state.params):
+            raise ValueError(f"expected {len(state.params)} outer gradients, got {len(avg_delta)}")
+        mu, lr = self.cfg.momentum, self.cfg.lr
+        for p, b, d in zip(state.params, state.momentum, avg_delta, strict=True):
+            if d.shape != p.shape:
+                raise ValueError(f"outer gradient of shape {tuple(d.shape)} for parameter {tuple(p.shape)}")
+            if mu == 0:
+                p.sub_(d, alpha=lr)
+                continue
+            if state.momentum_initialized:
+                b.mul_(mu).add_(d)
+            else:
+                b.copy_(d)
+            if self.cfg.nesterov:
+                p.sub_(d + mu * b, alpha=lr)
+            else:
+                p.sub_(b, alpha=lr)
+        state.momentum_initialized = True
+        state.version += 1
+        state.tokens += int(tokens)
+
+
+def rebase(local_params: Sequence[torch.Tensor], old_global: Sequence[torch.Tensor], new_global) -> None:
+    """Move local progress onto a newer Θ: θ ← Θ_new − (Θ_old − θ), in place.
+
+    Used when a learner finds the swarm ahead of it: the inner steps it took are kept as an outer
+    gradient relative to the new global parameters and are contributed in its next round.
+    """
+    with torch.no_grad():
+        for p, old, new in zip(local_params, old_global, new_global, strict=True):
+            delta = old - p.detach().to("cpu", torch.float32)
+            p.copy_((new - delta).to(p.dtype))
+
+
+def load_into_module(module: torch.nn.Module, params: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, g in zip(module.parameters(), params, strict=True):
+            p.copy_(g.to(p.device, p.dtype))

@@ -1,0 +1,113 @@
+"""Progress records that learners publish to the DHT, encoded with msgpack.
+
+Each learner stores one record under ``{run_id}_progress`` (subkey = its peer ID) with the version
+and hash of the global state it holds. Newcomers and learners that fell behind read these records
+to learn the swarm's newest version; learners finishing a run read them to know when the others
+are done. Records are refreshed while a learner lives and expire ``record_ttl`` seconds after it
+dies; a clean exit overwrites its record with status ``left``.
+
+Records from peers are untrusted input: anything malformed is dropped with a log line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import msgpack
+from hivemind import DHT
+from hivemind.utils import get_dht_time, get_logger
+
+logger = get_logger(__name__)
+
+Status = Literal["training", "done", "left"]
+_STATUSES = ("training", "done", "left")
+_MAX_RECORD_BYTES = 1024
+
+
+class RecordError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    version: int
+    sha256: str
+    tokens: int
+    status: Status = "training"
+    wall_time: float = 0.0
+
+    def encode(self) -> bytes:
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, raw: object) -> ProgressRecord:
+        if not isinstance(raw, bytes) or len(raw) > _MAX_RECORD_BYTES:
+            raise RecordError("not a msgpack byte string of sane size")
+        try:
+            obj = msgpack.unpackb(raw, raw=False)
+        except Exception as e:
+            raise RecordError(f"undecodable msgpack: {e}") from None
+        if not isinstance(obj, dict):
+            raise RecordError("not a map")
+        version, sha, tokens = obj.get("version"), obj.get("sha256"), obj.get("tokens")
+        status, wall = obj.get("status", "training"), obj.get("wall_time", 0.0)
+        if not (isinstance(version, int) and 0 <= version < 2**40):
+            raise RecordError(f"bad version {version!r}")
+        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            raise RecordError("bad sha256")
+        if not (isinstance(tokens, int) and tokens >= 0):
+            raise RecordError(f"bad tokens {tokens!r}")
+        if status not in _STATUSES:
+            raise RecordError(f"bad status {status!r}")
+        if not isinstance(wall, int | float):
+            raise RecordError("bad wall_time")
+        return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall))
+
+
+class ProgressBoard:
+    """Publish this learner's record and read everyone's."""
+
+    def __init__(self, dht: DHT, run_id: str, ttl: float):
+        self.dht, self.key, self.ttl = dht, f"{run_id}_progress", ttl
+        self._peer_key = dht.peer_id.to_bytes()
+
+    def publish(self, record: ProgressRecord) -> bool:
+        record = ProgressRecord(**{**asdict(record), "wall_time": time.time()})
+        try:
+            return bool(
+                self.dht.store(
+                    self.key, record.encode(), get_dht_time() + self.ttl, subkey=self._peer_key
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - publishing is best effort; training goes on
+            logger.warning(f"could not publish progress record: {e!r}")
+            return False
+
+    def read(self) -> dict[str, ProgressRecord]:
+        """Live records by peer ID (our own included); malformed ones are logged and dropped."""
+        try:
+            found = self.dht.get(self.key, latest=True)
+        except Exception as e:  # noqa: BLE001
+            logger.warning(f"could not read progress records: {e!r}")
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records = {}
+        for subkey, item in found.value.items():
+            peer = _peer_name(subkey)
+            try:
+                records[peer] = ProgressRecord.decode(item.value)
+            except (RecordError, AttributeError) as e:
+                logger.warning(f"rejected progress record from {peer}: {e}")
+        return records
+
+
+def _peer_name(subkey: object) -> str:
+    from hivemind.p2p import PeerID
+
+    try:
+        return str(PeerID(subkey))
+    except Exception:  # noqa: BLE001
+        return repr(subkey)[:40]

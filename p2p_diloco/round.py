@@ -1,0 +1,135 @@
+"""One outer round of one learner, as an object with explicit stages.
+
+    PREPARED  → Δ = Θ − θ computed, weight = tokens since the last merge
+    AVERAGING → matchmaking and all-reduce with a group at the same version (network)
+    VALIDATED → groupmates held our exact global state; averaged Δ finite and of sane norm
+    APPLIED   → outer Nesterov step on Θ, version + 1
+    FAILED    → nothing was committed; the learner keeps its θ and its Δ grows until a later round
+
+A failure anywhere is contained here: the learner's training loop sees a :class:`RoundOutcome`,
+never an exception from the network.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from p2p_diloco.averaging import Averaging, RoundFailed
+from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
+
+
+class Stage(enum.Enum):
+    PREPARED = "prepared"
+    AVERAGING = "averaging"
+    VALIDATED = "validated"
+    APPLIED = "applied"
+    FAILED = "failed"
+
+
+@dataclass
+class RoundOutcome:
+    stage: Stage
+    reason: str = ""
+    group_size: int = 0
+    group_tokens: int = 0
+    allreduce_seconds: float = 0.0
+    round_seconds: float = 0.0
+    bytes_sent: int = 0
+    version: int = 0
+
+    @property
+    def committed(self) -> bool:
+        return self.stage is Stage.APPLIED
+
+
+@dataclass
+class OuterRound:
+    state: GlobalState
+    optimizer: OuterOptimizer
+    averaging: Averaging
+    local_params: list[torch.Tensor]
+    tokens: int
+    inner_steps: int
+    max_delta_norm: float = 1e4
+    stage: Stage = field(init=False, default=Stage.PREPARED)
+    _delta: list[torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._delta = pseudo_gradient(self.state.params, self.local_params)
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "version": self.state.version,
+            "sha256": self.state.sha256(),
+            "tokens": int(self.tokens),
+            "steps": int(self.inner_steps),
+        }
+
+    def run(self) -> RoundOutcome:
+        started = time.perf_counter()
+        outcome = self._run()
+        outcome.round_seconds = time.perf_counter() - started
+        outcome.version = self.state.version
+        return outcome
+
+    def _run(self) -> RoundOutcome:
+        if self.tokens <= 0:
+            return self._fail("no local progress to contribute")
+        meta = self.metadata()
+        self.stage = Stage.AVERAGING
+        try:
+            result = self.averaging.average(self._delta, float(self.tokens), meta, self.state.version)
+        except RoundFailed as e:
+            return self._fail(str(e))
+        problem = self._check_group(result.groupmates, meta) or self._check_delta(result.deltas)
+        if problem:
+            return self._fail(problem, group_size=result.group_size)
+        self.stage = Stage.VALIDATED
+        group_tokens = sum(int(m.get("tokens", 0)) for m in result.groupmates.values())
+        self.optimizer.apply(self.state, result.deltas, tokens=group_tokens)
+        self.stage = Stage.APPLIED
+        return RoundOutcome(
+            stage=self.stage,
+            group_size=result.group_size,
+            group_tokens=group_tokens,
+            allreduce_seconds=result.allreduce_seconds,
+            bytes_sent=result.bytes_sent,
+        )
+
+    def _fail(self, reason: str, group_size: int = 0) -> RoundOutcome:
+        self.stage = Stage.FAILED
+        return RoundOutcome(stage=self.stage, reason=reason, group_size=group_size)
+
+    @staticmethod
+    def _check_group(groupmates: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+        for peer, theirs in groupmates.items():
+            if not isinstance(theirs, dict):
+                return f"groupmate {peer} sent malformed metadata"
+            if theirs.get("version") != meta["version"] or theirs.get("sha256") != meta["sha256"]:
+                return (
+                    f"groupmate {peer} holds version {theirs.get('version')} "
+                    f"sha {str(theirs.get('sha256'))[:12]}, we hold {meta['version']} {meta['sha256'][:12]}"
+                )
+            tokens = theirs.get("tokens")
+            if not isinstance(tokens, int) or tokens < 0:
+                return f"groupmate {peer} reported invalid tokens {tokens!r}"
+        return ""
+
+    def _check_delta(self, deltas: list[torch.Tensor]) -> str:
+        if len(deltas) != len(self.state.params):
+            return f"averaged {len(deltas)} tensors, expected {len(self.state.params)}"
+        norm_sq = 0.0
+        for d, p in zip(deltas, self.state.params, strict=True):
+            if d.shape != p.shape or d.dtype != torch.float32:
+                return f"averaged tensor {tuple(d.shape)} {d.dtype} does not match {tuple(p.shape)}"
+            if not torch.isfinite(d).all():
+                return "averaged outer gradient is not finite"
+            norm_sq += float(d.double().pow(2).sum())
+        if norm_sq**0.5 > self.max_delta_norm:
+            return f"averaged outer gradient norm {norm_sq ** 0.5:.3g} exceeds {self.max_delta_norm:g}"
+        return ""

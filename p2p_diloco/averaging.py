@@ -11,6 +11,7 @@ to the binary version number, so only learners that hold the same version look f
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,12 +26,17 @@ from hivemind.utils import get_logger
 
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.lifecycle import die_with_parent
 
 logger = get_logger(__name__)
 
 
 class RoundFailed(RuntimeError):
     """The round did not produce an average that may be committed; the caller keeps its Δ."""
+
+
+class RoundSuperseded(RoundFailed):
+    """The swarm reached a newer version while we were looking for a group at ours."""
 
 
 @dataclass
@@ -49,7 +55,10 @@ class Averaging(Protocol):
     def average(
         self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any], version: int
     ) -> AverageResult:
-        """Average ``deltas`` with a group at ``version``; raise :class:`RoundFailed` if none forms."""
+        """Average ``deltas`` with a group at ``version``; raise :class:`RoundFailed` if none forms.
+
+        Raises :class:`RoundSuperseded` when the swarm moved past ``version`` during matchmaking.
+        """
 
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -66,6 +75,10 @@ class OuterGradientAverager(DecentralizedAverager):
         self._state_provider = state_provider
         self._round_stats: dict[bytes, dict[str, float]] = {}
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        die_with_parent(self._parent_pid)
+        super().run()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -108,11 +121,19 @@ class HivemindAveraging:
     cfg: AveragingConfig
     prefix: str
     state_provider: StateProvider | None = None
+    # Polled while looking for a group: returns the swarm's newest version, to stop waiting for a
+    # group that has already moved on.
+    newest_version: Callable[[], int] | None = None
+    poll_seconds: float = 1.0
     _buffers: list[torch.Tensor] = field(init=False)
     _averager: OuterGradientAverager = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _superseded_by: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        # hivemind logs "could not find a group" as an error with a traceback; for a learner it is a
+        # normal outcome that OuterRound reports in one line.
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
         self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
         compression = Float16Compression() if self.cfg.compression == "fp16" else NoCompression()
         self._averager = OuterGradientAverager(
@@ -150,11 +171,15 @@ class HivemindAveraging:
                 for buf, d in zip(buffers, deltas, strict=True):
                     buf.copy_(d)
             self._averager.set_group_bits(format(version, "b"))
+            control = self._averager.step(
+                weight=float(weight), gather=metadata, timeout=self.cfg.round_timeout, wait=False
+            )
+            self._watch_for_newer_version(control, version)
             try:
-                result = self._averager.step(
-                    weight=float(weight), gather=metadata, timeout=self.cfg.round_timeout, wait=True
-                )
+                result = control.result()
             except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
+                if control.cancelled() and self._superseded_by is not None:
+                    raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
                 raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
             if not result:
                 raise RoundFailed("no group formed within the round window")
@@ -168,6 +193,25 @@ class HivemindAveraging:
             allreduce_seconds=float(stats.get("seconds", 0.0)),
             bytes_sent=int(stats.get("bytes_sent", 0)),
         )
+
+    def _watch_for_newer_version(self, control, version: int) -> None:
+        """Cancel matchmaking if the swarm is already past ``version``; never once all-reduce began."""
+        self._superseded_by = None
+        if self.newest_version is None:
+            return
+        while not control.done():
+            try:
+                control.result(timeout=self.poll_seconds)
+            except TimeoutError:
+                pass
+            except Exception:  # noqa: BLE001 - the failure itself is reported by the caller
+                return
+            if control.done() or control.began_allreduce:
+                return
+            newest = self.newest_version()
+            if newest > version and not control.began_allreduce and control.cancel():
+                self._superseded_by = newest
+                return
 
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Newest global state from the peers that serve it (highest version first), or None."""

@@ -51,16 +51,16 @@ class BootstrapNode:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def serve(self) -> None:
-        import hivemind  # imported late: hivemind reads its log level from the environment
-
+        # imported late: hivemind reads its log level from the environment
         from p2p_diloco.learner import LearnerError
+        from p2p_diloco.lifecycle import LinkedDHT
 
         Path(self.cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
         try:
-            dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
+            dht = await loop.run_in_executor(None, lambda: LinkedDHT(
                 initial_peers=self.cfg.initial_peers or None,
                 host_maddrs=self.cfg.host_maddrs,
                 announce_maddrs=self.cfg.announce_maddrs or None,

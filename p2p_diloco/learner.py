@@ -24,17 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hivemind
+import hivemind  # noqa: F401 - LinkedDHT subclasses hivemind.DHT
 import torch
 
 from p2p_diloco.averaging import HivemindAveraging
 from p2p_diloco.checkpoint import claim_checkpoint_dir, load_checkpoint, save_checkpoint
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split, shard_for_peer
+from p2p_diloco.lifecycle import LinkedDHT
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, rebase, state_sha256
 from p2p_diloco.records import ProgressBoard, ProgressRecord
-from p2p_diloco.round import OuterRound
+from p2p_diloco.round import OuterRound, RoundOutcome
 
 logger = logging.getLogger("p2p_diloco.learner")
 
@@ -59,7 +60,7 @@ class Counters:
 def start_dht(cfg: LearnerConfig, identity_path: Path | None) -> hivemind.DHT:
     net = cfg.network
     try:
-        return hivemind.DHT(
+        return LinkedDHT(
             initial_peers=net.initial_peers or None,
             host_maddrs=net.host_maddrs,
             announce_maddrs=net.announce_maddrs or None,
@@ -100,6 +101,11 @@ class Learner:
             shard = shard_for_peer(self.dht.peer_id.to_bytes(), cfg.data.num_shards)
         self.shard = shard
         self.log(f"joined DHT; visible at {[str(a) for a in self.dht.get_visible_maddrs()]}")
+        # Announce ourselves at once, before the slow part of the start-up, so that learners finishing
+        # the run see a newcomer behind them and keep serving state until it has caught up.
+        self.board = ProgressBoard(self.dht, cfg.network.run_id, cfg.network.record_ttl)
+        version0 = payload["global"]["version"] if payload is not None else 0
+        self.board.publish(ProgressRecord(version0, "0" * 64, 0, "training"))
         self.log(f"checkpoints in {self.ckpt_dir}; data shard {shard}/{cfg.data.num_shards}")
 
         train = load_split(cfg.data, shard)
@@ -122,10 +128,9 @@ class Learner:
 
         self.averaging = HivemindAveraging(
             self.dht, self.state.params, cfg.averaging, prefix=f"{cfg.network.run_id}_outer",
-            state_provider=self._serve_state,
+            state_provider=self._serve_state, newest_version=self._newest_live_version,
         )
         self.averaging.set_state_priority(self.state.version)
-        self.board = ProgressBoard(self.dht, cfg.network.run_id, cfg.network.record_ttl)
 
     def _restore(self, payload: dict[str, Any]) -> None:
         g = payload["global"]
@@ -185,12 +190,24 @@ class Learner:
             return True
         return False
 
-    def _catch_up(self) -> None:
+    def _newest_live_version(self) -> int:
         records = self.board.read()
+        return max((r.version for p, r in records.items() if p != self.peer_id and r.status != "left"), default=0)
+
+    def _catch_up(self) -> None:
+        records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
         newest = max((r.version for r in records.values() if r.status != "left"), default=0)
         if newest > self.state.version:
             self.log(f"swarm is at version {newest}, we hold {self.state.version}: downloading")
             self._download_newer_state()
+            return
+        target = self.cfg.run.max_outer_steps
+        finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
+        if finished and self.state.version < target:
+            raise LearnerError(
+                f"the swarm already finished at version {max(finished)} and no running peer serves that "
+                f"state; start this learner with a higher --max-outer-steps or with other learners"
+            )
 
     # ---- training ------------------------------------------------------------------------
     def _inner_steps(self, n: int) -> float:
@@ -231,7 +248,7 @@ class Learner:
         losses = [float(model(x, y)[1]) for x, y in self.eval_batches]
         return sum(losses) / len(losses)
 
-    def _outer_round(self, train_loss: float) -> None:
+    def _outer_round(self, train_loss: float) -> RoundOutcome:
         c = self.counters
         rnd = OuterRound(
             state=self.state, optimizer=self.outer_opt, averaging=self.averaging,
@@ -256,6 +273,7 @@ class Learner:
             f"allreduce {out.allreduce_seconds:.2f}s round {out.round_seconds:.2f}s "
             f"sent {out.bytes_sent / 1e6:.3f} MB"
         )
+        return out
 
     def _publish(self, status: str = "training") -> None:
         self.board.publish(ProgressRecord(self.state.version, self.state.sha256(), self.state.tokens, status))
@@ -314,7 +332,13 @@ class Learner:
                 self._catch_up()
                 if self._finished():
                     break
-                self._outer_round(train_loss)
+                outcome = self._outer_round(train_loss)
+                if outcome.superseded:
+                    # We were late for the swarm's round: take its newer Θ (our steps are rebased onto
+                    # it) and join the next round right away, so we fall back into step with the others.
+                    self._catch_up()
+                    if not self._finished():
+                        self._outer_round(train_loss)
                 self._publish()
                 self._checkpoint()
             self._checkpoint()  # keeps inner steps taken since the last round

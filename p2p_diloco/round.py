@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.averaging import Averaging, RoundFailed
+from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
 
 
@@ -41,6 +41,7 @@ class RoundOutcome:
     round_seconds: float = 0.0
     bytes_sent: int = 0
     version: int = 0
+    superseded: bool = False  # the swarm moved past our version while we looked for a group
 
     @property
     def committed(self) -> bool:
@@ -84,6 +85,10 @@ class OuterRound:
         self.stage = Stage.AVERAGING
         try:
             result = self.averaging.average(self._delta, float(self.tokens), meta, self.state.version)
+        except RoundSuperseded as e:
+            outcome = self._fail(str(e))
+            outcome.superseded = True
+            return outcome
         except RoundFailed as e:
             return self._fail(str(e))
         problem = self._check_group(result.groupmates, meta) or self._check_delta(result.deltas)

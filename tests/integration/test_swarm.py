@@ -1,0 +1,92 @@
+"""Real learners, real p2pd daemons, real DHT on loopback."""
+
+import os
+import re
+import signal
+
+import pytest
+
+from .harness import committed_version, processes_in_group, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _assert_one_lineage(swarm, learners, version):
+    summaries = [swarm.summary(i) for i in learners]
+    hashes = {s["global_state_sha256"] for s in summaries}
+    assert len(hashes) == 1, f"learners ended with {len(hashes)} global states: {summaries}"
+    assert all(s["version"] == version for s in summaries), summaries
+    return summaries
+
+
+@pytest.mark.timeout(240)
+def test_three_learners_train_one_model(swarm):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=3) for i in range(3)]
+    for p in learners:
+        assert p.wait(180) == 0, p.text()
+    summaries = _assert_one_lineage(swarm, range(3), 3)
+    for s in summaries:
+        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5
+        assert s["outer_steps"] >= 1 and s["inner_steps"] >= 60
+    # The swarm's tokens are every learner's tokens, merged once each.
+    assert summaries[0]["global_tokens"] <= sum(s["tokens"] for s in summaries)
+    assert all(s["bytes_sent"] > 0 for s in summaries)
+
+
+@pytest.mark.timeout(300)
+def test_late_learner_catches_up_to_the_same_state(swarm):
+    swarm.start_bootstrap()
+    first = [swarm.start_learner(i, max_outer_steps=8) for i in range(3)]
+    wait_until(lambda: committed_version(first[0]) >= 2, 150, first[0], "version 2")
+    # The newcomer enters through a running learner's address, not the bootstrap node.
+    addr = re.search(r"visible at \['([^']+)'", first[1].text()).group(1)
+    late = swarm.start_learner(3, max_outer_steps=8, peers=addr)
+    for p in [*first, late]:
+        assert p.wait(200) == 0, p.text()
+    _assert_one_lineage(swarm, range(4), 8)
+    assert swarm.summary(3)["syncs"] >= 1
+    assert "synced global state" in late.text()
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_one_learner_does_not_stop_the_others(swarm):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=5) for i in range(3)]
+    wait_until(lambda: committed_version(learners[2]) >= 1, 150, learners[2], "version 1")
+    victim = learners[2]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+    # Its DHT and averager processes and its p2pd die with it.
+    wait_until(lambda: not processes_in_group(victim.pid), 15, None, "the killed learner's children to exit")
+    for p in learners[:2]:
+        assert p.wait(200) == 0, p.text()
+    _assert_one_lineage(swarm, range(2), 5)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_leaves_cleanly_and_resume_continues(swarm):
+    swarm.start_bootstrap()
+    a, b = (swarm.start_learner(i, max_outer_steps=50) for i in range(2))
+    wait_until(lambda: committed_version(a) >= 1, 120, a, "version 1")
+    a.popen.send_signal(signal.SIGTERM)
+    assert a.wait(60) == 0, a.text()
+    assert not processes_in_group(a.pid)
+    version = swarm.summary(0)["version"]
+    assert version >= 1
+    b.popen.send_signal(signal.SIGTERM)
+    assert b.wait(60) == 0, b.text()
+    # Resume from the checkpoint: the learner comes back at the version it left with.
+    again = swarm.start_learner(0, max_outer_steps=version, extra=["--resume"])
+    assert again.wait(90) == 0, again.text()
+    assert "resumed from" in again.text()
+    assert swarm.summary(0)["version"] == version
+
+
+@pytest.mark.timeout(120)
+def test_bootstrap_identity_survives_restart(swarm):
+    first = swarm.start_bootstrap()
+    swarm.bootstrap.popen.send_signal(signal.SIGINT)
+    assert swarm.bootstrap.wait(30) == 0
+    second = swarm.start_bootstrap()
+    assert first.split("/p2p/")[1] == second.split("/p2p/")[1]

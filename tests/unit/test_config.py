@@ -1,0 +1,46 @@
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.config import ConfigError, load_learner_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["default.toml", "small-cpu.toml"])
+def test_shipped_peer_configs_validate(name):
+    cfg = load_learner_config(ROOT / "peers" / name)
+    assert cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9
+
+
+def test_overrides_are_typed_and_dotted():
+    cfg = load_learner_config(None, ["inner.lr=3e-4", "averaging.compression=fp16",
+                                     'network.initial_peers=["/ip4/1.2.3.4/tcp/5/p2p/X"]', "run.resume=true"])
+    assert cfg.inner.lr == 3e-4 and cfg.averaging.compression == "fp16"
+    assert cfg.network.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/X"] and cfg.run.resume is True
+
+
+@pytest.mark.parametrize("override, field", [
+    ("inner.lr=-1", "inner.lr"),
+    ("model.n_embd=65", "model"),
+    ("averaging.compression=int3", "averaging.compression"),
+    ("inner.nope=1", "inner.nope"),
+    ("averaging.request_timeout=9", "averaging"),
+    ("data.shard_index=20", "data"),
+])
+def test_bad_values_name_the_field_in_one_line(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_learner_config(None, [override])
+    msg = str(e.value)
+    assert msg.startswith(field) and "\n" not in msg
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_learner_config(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[inner\nlr=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_learner_config(bad)
+    with pytest.raises(ConfigError, match="expected section.field=value"):
+        load_learner_config(None, ["inner.lr"])

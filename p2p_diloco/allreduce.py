@@ -23,14 +23,18 @@ Incoming parts that are not finite are refused and their sender is banned from t
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from p2p_diloco.codecs import decode
 
 logger = get_logger(__name__)
 
@@ -55,6 +59,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self._my_parts_with_info = list(self.tensor_part_container._input_parts_by_peer[my_index])
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
+        self._codec = self.tensor_part_container.compression
         self.bytes_sent = 0
         self.rejected_senders: list[str] = []
         self._open_replies = 0  # reply streams to groupmates that are still being written
@@ -79,18 +84,53 @@ class ExactAllReduceRunner(AllReduceRunner):
             await asyncio.sleep(0.005)
 
     async def _communicate_with_peer(self, peer_id):
-        if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+        if peer_id == self.peer_id:
+            return await self._reduce_own_shard()
+        # Mirrors AllReduceRunner._communicate_with_peer (remote branch), decoding with our codecs.
         peer_index = self.ordered_peer_ids.index(peer_id)
-        sender_index = self.sender_peer_ids.index(peer_id)
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+
+            def _try_decode(msg):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                return decode(msg.tensor_part)
+
+            async for averaged in amap_in_executor(
+                _try_decode, aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, expected "
+                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
+                )
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _reduce_own_shard(self) -> None:
+        peer_index = self.ordered_peer_ids.index(self.peer_id)
+        sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, (part, info) in enumerate(self._my_parts_with_info):
-            serialized = self.tensor_part_container.compression.compress(part, info)
-            part_as_sent = deserialize_torch_tensor(serialized)
+            part_as_sent = decode(self._codec.compress(part, info))
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, part_as_sent, weight=self.weight
             )
-            result = deserialize_torch_tensor(serialize_torch_tensor(averaged, serialized.compression))
+            result = decode(self._compress_result(averaged))
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+
+    def _compress_result(self, averaged: torch.Tensor):
+        return self._codec.compress(averaged, CompressionInfo.from_tensor(averaged))
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -105,10 +145,22 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._open_replies += 1
         try:
             async for msg in stream:
-                tensor_part = await loop.run_in_executor(None, deserialize_torch_tensor, msg.tensor_part)
-                if not torch.isfinite(tensor_part).all():
+                try:
+                    tensor_part = await loop.run_in_executor(None, decode, msg.tensor_part)
+                except Exception as e:  # noqa: BLE001 - a malformed part from a peer
+                    tensor_part = None
+                    logger.warning(f"Rejected an undecodable part from {self.sender_peer_ids[sender_index]}: {e}")
+                expected = self.tensor_part_reducer.part_shapes[min(part_index, self.tensor_part_reducer.num_parts - 1)]
+                if (
+                    tensor_part is None
+                    or msg.tensor_part.dtype != getattr(self._codec, "tag", msg.tensor_part.dtype)
+                    or tensor_part.shape != expected
+                    or not math.isfinite(msg.weight)
+                    or msg.weight < 0
+                    or not torch.isfinite(tensor_part).all()
+                ):
                     sender = self.sender_peer_ids[sender_index]
-                    logger.warning(f"Rejected a non-finite outer gradient part from {sender}")
+                    logger.warning(f"Rejected an invalid outer gradient part from {sender}")
                     self.rejected_senders.append(str(sender))
                     break
                 try:
@@ -118,8 +170,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break
-                compression = msg.tensor_part.compression
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+                serialized = await loop.run_in_executor(None, self._compress_result, averaged)
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.bytes_sent += reply.ByteSize()
                 yield reply

@@ -11,7 +11,9 @@ to the binary version number, so only learners that hold the same version look f
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,10 +23,16 @@ from typing import Any, Protocol
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import Float16Compression, NoCompression
-from hivemind.utils import get_logger
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import CompressionBase, NoCompression
+from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.allreduce import ExactAllReduceRunner
+from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.lifecycle import die_with_parent
 
@@ -53,7 +61,13 @@ class AverageResult:
 
 class Averaging(Protocol):
     def average(
-        self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any], version: int
+        self,
+        deltas: Sequence[torch.Tensor],
+        weight: float,
+        metadata: dict[str, Any],
+        version: int,
+        fragment: int = 0,
+        grace: float | None = None,
     ) -> AverageResult:
         """Average ``deltas`` with a group at ``version``; raise :class:`RoundFailed` if none forms.
 
@@ -65,14 +79,27 @@ StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
 class OuterGradientAverager(DecentralizedAverager):
-    """DecentralizedAverager running :class:`ExactAllReduceRunner` and serving the global state.
+    """DecentralizedAverager running :class:`ExactAllReduceRunner` on one fragment per round.
 
-    ``step()`` returns ``{"gathered": ..., "stats": ...}``: hivemind's gathered metadata plus the
-    all-reduce's seconds and bytes, measured inside the averager process.
+    ``averaged_tensors`` holds buffers for every parameter; a round all-reduces only the tensors of
+    the fragment named in the step's gathered metadata (``{"fragment": f, ...}``), compressed with
+    that fragment's codec. ``step()`` returns ``{"gathered": ..., "stats": ...}``: hivemind's gathered
+    metadata plus the all-reduce's seconds and bytes, measured inside the averager process.
     """
 
-    def __init__(self, averaged_tensors, dht: DHT, *, state_provider: StateProvider | None = None, **kwargs):
+    def __init__(
+        self,
+        averaged_tensors,
+        dht: DHT,
+        *,
+        fragments: Sequence[Sequence[int]],
+        codecs: Sequence[CompressionBase],
+        state_provider: StateProvider | None = None,
+        **kwargs,
+    ):
         self._state_provider = state_provider
+        self._fragments = [tuple(f) for f in fragments]
+        self._codecs = list(codecs)
         self._round_stats: dict[bytes, dict[str, float]] = {}
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -81,8 +108,29 @@ class OuterGradientAverager(DecentralizedAverager):
         super().run()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return {"gathered": gathered, "stats": self._round_stats.pop(group_info.group_id, {})}
+        # Mirrors DecentralizedAverager._aggregate_with_group, restricted to one fragment's tensors.
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
+            fragment = _agreed_fragment(gathered, len(self._fragments))
+            modes = tuple(map(AveragingMode, mode_ids))
+            download_bandwidths = [
+                thr if mode != AveragingMode.CLIENT else 0.0 for thr, mode in zip(bandwidths, modes, strict=True)
+            ]
+            indices = self._fragments[fragment]
+            size = sum(self._averaged_tensors[i].numel() for i in indices)
+            peer_fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, size, download_bandwidths, min_vector_size
+            )
+            kwargs["compression"], kwargs["tensor_infos"] = self._codecs[fragment], None
+            async with enter_asynchronously(self.get_tensors()) as all_tensors:
+                tensors = [all_tensors[i] for i in indices]
+                await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=peer_fractions, **kwargs)
+            return {"gathered": gathered, "stats": self._round_stats.pop(group_info.group_id, {})}
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"all-reduce failed: {e!r}")
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -114,17 +162,25 @@ class OuterGradientAverager(DecentralizedAverager):
 
 @dataclass
 class HivemindAveraging:
-    """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state."""
+    """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state.
+
+    ``fragments`` lists the tensor indices of each fragment (default: one fragment of everything)
+    and ``codecs`` the codec name of each fragment.
+    """
 
     dht: DHT
     template: Sequence[torch.Tensor]
     cfg: AveragingConfig
     prefix: str
     state_provider: StateProvider | None = None
-    # Polled while looking for a group: returns the swarm's newest version, to stop waiting for a
-    # group that has already moved on.
-    newest_version: Callable[[], int] | None = None
+    # Polled while looking for a group: returns the swarm's newest version of a fragment, to stop
+    # waiting for a group that has already moved on.
+    newest_version: Callable[[int], int] | None = None
+    fragments: Sequence[Sequence[int]] | None = None
+    codecs: Sequence[str] | None = None
     poll_seconds: float = 1.0
+    # Set when the learner is asked to stop: matchmaking in progress is abandoned.
+    should_stop: Callable[[], bool] = lambda: False
     _buffers: list[torch.Tensor] = field(init=False)
     _averager: OuterGradientAverager = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -135,10 +191,15 @@ class HivemindAveraging:
         # normal outcome that OuterRound reports in one line.
         logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
         self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
-        compression = Float16Compression() if self.cfg.compression == "fp16" else NoCompression()
+        if self.fragments is None:
+            self.fragments = [tuple(range(len(self._buffers)))]
+        names = list(self.codecs) if self.codecs else [self.cfg.compression] * len(self.fragments)
+        sigint = signal.getsignal(signal.SIGINT)  # hivemind sets SIGINT to "ignore" in *our* process
         self._averager = OuterGradientAverager(
             self._buffers,
             self.dht,
+            fragments=self.fragments,
+            codecs=[get_codec(name) for name in names],
             state_provider=self.state_provider,
             start=True,
             prefix=self.prefix,
@@ -148,12 +209,13 @@ class HivemindAveraging:
             request_timeout=self.cfg.request_timeout,
             allreduce_timeout=self.cfg.allreduce_timeout,
             next_chunk_timeout=self.cfg.next_chunk_timeout,
-            compression=compression,
             state_compression=NoCompression(),
             allow_state_sharing=True,
             declare_state_period=10.0,
             shutdown_timeout=5.0,
         )
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, sigint)
 
     @property
     def peer_id(self) -> str:
@@ -164,17 +226,35 @@ class HivemindAveraging:
         self._averager.state_sharing_priority = float(version)
 
     def average(
-        self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any], version: int
+        self,
+        deltas: Sequence[torch.Tensor],
+        weight: float,
+        metadata: dict[str, Any],
+        version: int,
+        fragment: int = 0,
+        grace: float | None = None,
     ) -> AverageResult:
+        """Average one fragment's ``deltas`` with a group at (fragment, version).
+
+        ``grace``: how long the leader may wait for groupmates beyond the quorum (at least the
+        configured matchmaking time, hivemind's own minimum).
+        """
+        indices = self.fragments[fragment]
         with self._lock:
             with self._averager.get_tensors() as buffers:
-                for buf, d in zip(buffers, deltas, strict=True):
-                    buf.copy_(d)
-            self._averager.set_group_bits(format(version, "b"))
+                for i, d in zip(indices, deltas, strict=True):
+                    buffers[i].copy_(d)
+            self._averager.set_group_bits(group_bits(fragment, version))
+            scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
+            timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
             control = self._averager.step(
-                weight=float(weight), gather=metadata, timeout=self.cfg.round_timeout, wait=False
+                weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
+                scheduled_time=scheduled, wait=False,
+                # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
+                # group bits and could pair us with learners at other versions: one attempt per round.
+                allow_retries=False,
             )
-            self._watch_for_newer_version(control, version)
+            self._watch_for_newer_version(control, fragment, version)
             try:
                 result = control.result()
             except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
@@ -184,7 +264,7 @@ class HivemindAveraging:
             if not result:
                 raise RoundFailed("no group formed within the round window")
             with self._averager.get_tensors() as buffers:
-                averaged = [b.clone() for b in buffers]
+                averaged = [buffers[i].clone() for i in indices]
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
         return AverageResult(
@@ -194,11 +274,9 @@ class HivemindAveraging:
             bytes_sent=int(stats.get("bytes_sent", 0)),
         )
 
-    def _watch_for_newer_version(self, control, version: int) -> None:
+    def _watch_for_newer_version(self, control, fragment: int, version: int) -> None:
         """Cancel matchmaking if the swarm is already past ``version``; never once all-reduce began."""
         self._superseded_by = None
-        if self.newest_version is None:
-            return
         while not control.done():
             try:
                 control.result(timeout=self.poll_seconds)
@@ -208,14 +286,26 @@ class HivemindAveraging:
                 return
             if control.done() or control.began_allreduce:
                 return
-            newest = self.newest_version()
+            if self.should_stop():
+                control.cancel()
+                return
+            if self.newest_version is None:
+                continue
+            newest = self.newest_version(fragment)
             if newest > version and not control.began_allreduce and control.cancel():
                 self._superseded_by = newest
                 return
 
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Newest global state from the peers that serve it (highest version first), or None."""
-        loaded = self._averager.load_state_from_peers(wait=True, timeout=timeout)
+        future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
+        try:
+            # hivemind's own timeout is per chunk; bound the whole download here.
+            loaded = future.result(timeout=timeout * 4)
+        except Exception as e:  # noqa: BLE001 - a slow or broken peer must not end the learner
+            logger.warning(f"state download failed: {type(e).__name__}: {e}")
+            future.cancel()
+            return None
         if loaded is None:
             return None
         metadata, tensors = loaded
@@ -226,3 +316,18 @@ class HivemindAveraging:
             self._averager.shutdown()
         except Exception as e:  # noqa: BLE001 - shutdown must not mask the caller's own exit path
             logger.debug(f"averager shutdown: {e!r}")
+
+
+def _agreed_fragment(gathered: dict, num_fragments: int) -> int:
+    fragments = {m.get("fragment") if isinstance(m, dict) else None for m in gathered.values()}
+    if len(fragments) != 1:
+        raise AllreduceException(f"groupmates disagree on the fragment: {fragments}")
+    (fragment,) = fragments
+    if not isinstance(fragment, int) or not 0 <= fragment < num_fragments:
+        raise AllreduceException(f"invalid fragment index {fragment!r}")
+    return fragment
+
+
+def group_bits(fragment: int, version: int) -> str:
+    """Group-key bits naming (fragment, version): a 16-bit fragment field, then the version."""
+    return format(fragment, "016b") + format(version, "b")

@@ -50,26 +50,10 @@ class BootstrapNode:
     cfg: BootstrapConfig
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def serve(self) -> None:
-        # imported late: hivemind reads its log level from the environment
-        from p2p_diloco.learner import LearnerError
-        from p2p_diloco.lifecycle import LinkedDHT
-
-        Path(self.cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    async def serve(self, dht) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
-        try:
-            dht = await loop.run_in_executor(None, lambda: LinkedDHT(
-                initial_peers=self.cfg.initial_peers or None,
-                host_maddrs=self.cfg.host_maddrs,
-                announce_maddrs=self.cfg.announce_maddrs or None,
-                identity_path=self.cfg.identity_path,
-                startup_timeout=self.cfg.startup_timeout,
-                start=True,
-            ))
-        except Exception as e:  # noqa: BLE001
-            raise LearnerError(f"could not start the bootstrap DHT node ({type(e).__name__}: {e})") from None
         try:
             maddrs = [str(a) for a in dht.get_visible_maddrs()]
             logger.info(f"bootstrap node {dht.peer_id} is up; give learners one of:")
@@ -100,5 +84,25 @@ def _routing_table_size(dht) -> int:
     return dht.run_coroutine(_count_peers)
 
 
+def start_bootstrap_dht(cfg: BootstrapConfig):
+    # Created on the main thread: the DHT's child process dies with the thread that forked it.
+    from p2p_diloco.learner import LearnerError
+    from p2p_diloco.lifecycle import LinkedDHT
+
+    Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return LinkedDHT(
+            initial_peers=cfg.initial_peers or None,
+            host_maddrs=cfg.host_maddrs,
+            announce_maddrs=cfg.announce_maddrs or None,
+            identity_path=cfg.identity_path,
+            startup_timeout=cfg.startup_timeout,
+            start=True,
+        )
+    except Exception as e:  # noqa: BLE001
+        raise LearnerError(f"could not start the bootstrap DHT node ({type(e).__name__}: {e})") from None
+
+
 def run_bootstrap(cfg: BootstrapConfig) -> None:
-    uvloop.run(BootstrapNode(cfg).serve())
+    dht = start_bootstrap_dht(cfg)
+    uvloop.run(BootstrapNode(cfg).serve(dht))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 LATEST = "latest.pt"
+FORMAT = 2  # bumped when the payload layout changes
 
 
 class CheckpointError(RuntimeError):
@@ -91,6 +92,6 @@ def load_checkpoint(directory: Path) -> dict[str, Any] | None:
     except Exception as e:  # noqa: BLE001 - any failure here means a corrupt file
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
                               "move it away to start fresh") from None
-    if not isinstance(payload, dict) or payload.get("format") != 1:
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a p2p-diloco checkpoint")
     return payload

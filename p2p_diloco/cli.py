@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm}[args.command]
         return handler(args)
     except user_errors as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
+
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is a single line meant for the terminal."""
@@ -97,7 +99,7 @@ class AveragingConfig(_Section):
     round_timeout: float = Field(15.0, gt=0.0, description="give up finding a group after this long")
     allreduce_timeout: float = Field(120.0, gt=0.0)
     next_chunk_timeout: float = Field(15.0, gt=0.0)
-    compression: Literal["none", "fp16"] = "none"
+    compression: Codec = "none"
     max_delta_norm: float = Field(1e4, gt=0.0, description="reject averaged outer gradients above this norm")
 
     @model_validator(mode="after")
@@ -110,6 +112,23 @@ class AveragingConfig(_Section):
         if self.round_timeout <= self.matchmaking_time:
             raise ValueError("round_timeout must be larger than matchmaking_time")
         return self
+
+
+class SyncConfig(_Section):
+    """Decoupled DiLoCo: fragments on staggered schedules, overlapped rounds, merging rules.
+
+    The minimum quorum K is ``averaging.min_group_size``: a fragment's round commits only in a group
+    of at least K learners.
+    """
+
+    fragments: int = Field(1, ge=1, le=1024, description="P; 1 = plain DiLoCo")
+    overlap_steps: int = Field(0, ge=0, description="τ: inner steps between starting a round and applying it")
+    apply_policy: Literal["overwrite", "mix"] = "overwrite"
+    weighting: Literal["tokens", "tokens2_per_step"] = "tokens2_per_step"
+    rda: bool = Field(False, description="radial-directional averaging for fragments without embeddings")
+    fragment_compression: list[Codec] = Field(default_factory=list, description="per fragment; [] = averaging's")
+    grace_gamma: float = Field(0.5, gt=0.0, lt=1.0, description="grace ≤ γ·slack")
+    max_grace: float = Field(10.0, gt=0.0)
 
 
 class NetworkConfig(_Section):
@@ -138,8 +157,29 @@ class LearnerConfig(_Section):
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     averaging: AveragingConfig = Field(default_factory=AveragingConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> LearnerConfig:
+        h, p, tau = self.inner.steps_per_outer, self.sync.fragments, self.sync.overlap_steps
+        if p > h:
+            raise ValueError(f"sync.fragments ({p}) cannot exceed inner.steps_per_outer ({h})")
+        if p > 1 and tau >= h // p:
+            # At most one round in flight: a fragment's result is applied before the next one starts.
+            raise ValueError(f"sync.overlap_steps ({tau}) must be below inner.steps_per_outer / sync.fragments "
+                             f"({h // p})")
+        if p == 1 and tau >= h:
+            raise ValueError(f"sync.overlap_steps ({tau}) must be below inner.steps_per_outer ({h})")
+        if self.sync.fragment_compression and len(self.sync.fragment_compression) != p:
+            raise ValueError(f"sync.fragment_compression lists {len(self.sync.fragment_compression)} codecs "
+                             f"for {p} fragments")
+        return self
+
+    def codec_for(self, fragment: int) -> str:
+        return self.sync.fragment_compression[fragment] if self.sync.fragment_compression else \
+            self.averaging.compression
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -1,37 +1,54 @@
-"""A learner unit: local data, inner AdamW steps, outer rounds with whoever is in the swarm.
+"""A learner unit: local data, inner AdamW steps, fragment rounds with whoever is in the swarm.
 
 The loop, top to bottom::
 
     join the DHT → download the newest global state if the swarm is ahead
-    repeat until the global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
-        H inner steps on the local shard
-        catch up if the swarm moved ahead (rebase local progress onto the newer Θ)
-        one OuterRound: average Δ with a group at our version, apply Nesterov, version + 1
-        eval, log, publish progress, checkpoint
+    repeat until every fragment's global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
+        one inner step on the local shard
+        if a fragment round in flight is due (τ steps after it started): apply its result
+        for each fragment whose sync falls on this step (staggered, see fragments.py):
+            catch up if the swarm moved ahead (rebase local progress onto the newer Θ)
+            start its round: in the background if τ > 0, else right here
+        every H steps: eval, log, publish progress, checkpoint
     keep serving the global state until the others have finished too (bounded), leave cleanly
 
-A round that finds no group commits nothing: θ is kept and the next round contributes all the
-inner steps since the last merge, weighted by their tokens. Nothing is thrown away.
+With P = 1 fragment and τ = 0 this is plain synchronous DiLoCo. A round that finds no group
+commits nothing: the fragment keeps accumulating local progress, and the next round contributes
+all of it, weighted by tokens (see merging.py for the weight and the staleness rule).
+
+What a learner does with its local copy of a fragment when the averaged result arrives τ steps
+after the round started (``sync.apply_policy``):
+
+- ``overwrite`` (default, the Decoupled DiLoCo paper's choice): θ_f ← Θ_f. The local progress made
+  on that fragment during the τ overlapped steps is dropped; the paper's ablation found this better
+  than mixing as the number of learners grows, and it keeps every learner's θ_f equal to the shared
+  Θ_f right after a sync.
+- ``mix``: θ_f ← Θ_f + (θ_f − θ_f at the round's start): the τ steps of local progress are kept on
+  top of the new global fragment and contribute to the next round.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hivemind  # noqa: F401 - LinkedDHT subclasses hivemind.DHT
+import hivemind
 import torch
 
 from p2p_diloco.averaging import HivemindAveraging
 from p2p_diloco.checkpoint import claim_checkpoint_dir, load_checkpoint, save_checkpoint
 from p2p_diloco.config import LearnerConfig
-from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split, shard_for_peer
+from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_split, shard_for_peer
+from p2p_diloco.fragments import Fragment, build_fragments, due_fragments
+from p2p_diloco.grace import GraceWindow
 from p2p_diloco.lifecycle import LinkedDHT
+from p2p_diloco.merging import token_weight
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, rebase, state_sha256
 from p2p_diloco.records import ProgressBoard, ProgressRecord
@@ -48,13 +65,31 @@ class LearnerError(RuntimeError):
 class Counters:
     inner_steps: int = 0
     tokens: int = 0
-    outer_steps: int = 0  # rounds this learner committed
+    outer_steps: int = 0  # fragment rounds this learner committed
     rounds_failed: int = 0
     syncs: int = 0
-    tokens_since_merge: int = 0
-    steps_since_merge: int = 0
     bytes_sent: int = 0
+    compute_seconds: float = 0.0  # wall time inside inner steps
+    wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
     first_eval_loss: float | None = None
+    # per fragment, since that fragment's last committed round:
+    tokens_since_merge: list[int] = field(default_factory=list)
+    steps_since_merge: list[int] = field(default_factory=list)
+    missed_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class InFlight:
+    """A fragment round running in the background while inner steps go on."""
+
+    fragment: Fragment
+    apply_at: int
+    snapshot: list[torch.Tensor]  # θ_f when the round started (for the mix policy)
+    tokens: int
+    steps: int
+    window: float
+    thread: threading.Thread | None = None
+    outcome: RoundOutcome | None = None
 
 
 def start_dht(cfg: LearnerConfig, identity_path: Path | None) -> hivemind.DHT:
@@ -72,17 +107,44 @@ def start_dht(cfg: LearnerConfig, identity_path: Path | None) -> hivemind.DHT:
         raise LearnerError(f"could not start or join the DHT ({type(e).__name__}: {e})".strip()) from None
 
 
+def lineage_id(cfg: LearnerConfig) -> str:
+    """Hash of the settings that must agree for two learners to share one lineage of the model.
+
+    Learners whose settings differ (model, seed, outer optimizer, fragments, codecs, merging rules)
+    would produce different states from the same round; they use different DHT keys and never meet.
+    """
+    keys = {
+        "model": cfg.model.model_dump(), "outer": cfg.outer.model_dump(), "seed": cfg.run.seed,
+        "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
+        "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
+        "steps_per_outer": cfg.inner.steps_per_outer,
+    }
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def whole_sha256(states: list[GlobalState]) -> str:
+    return hashlib.sha256("".join(s.sha256() for s in states).encode()).hexdigest()
+
+
 class Learner:
     def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None):
         self.cfg = cfg
         self.stop = stop or threading.Event()
         self.counters = Counters()
+        self.states: list[GlobalState] = []
+        self.inflight: InFlight | None = None
+        self._last_outcome: RoundOutcome | None = None
+        self.short_id = "------"
         self._served: tuple[dict[str, Any], list[torch.Tensor]] | None = None
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str, level: int = logging.INFO) -> None:
-        version = self.state.version if hasattr(self, "state") else 0
+        version = self.version
         logger.log(level, f"[{self.short_id} step={self.counters.inner_steps} round={version}] {msg}")
+
+    @property
+    def version(self) -> int:
+        return min((s.version for s in self.states), default=0)
 
     # ---- setup ---------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -90,69 +152,109 @@ class Learner:
         torch.set_num_threads(cfg.run.threads)
         self.ckpt_dir, self._dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
         payload = load_checkpoint(self.ckpt_dir) if cfg.run.resume else None
-        if payload is not None and payload["config"]["model"] != cfg.model.model_dump():
-            raise LearnerError(f"checkpoint in {self.ckpt_dir} was made with a different model config")
+        if payload is not None:
+            saved = payload["config"]
+            if saved["model"] != cfg.model.model_dump() or saved.get("sync", {}).get("fragments", 1) != \
+                    cfg.sync.fragments:
+                raise LearnerError(f"checkpoint in {self.ckpt_dir} was made with a different model or fragments")
 
         self.dht = start_dht(cfg, self.ckpt_dir / "identity.key")
         self.peer_id = str(self.dht.peer_id)
         self.short_id = self.peer_id[-6:]
+        self.log(f"joined DHT; visible at {[str(a) for a in self.dht.get_visible_maddrs()]}")
+        # Announce ourselves at once, before the slow part of the start-up, so that learners finishing
+        # the run see a newcomer behind them and keep serving state until it has caught up.
+        self.lineage = f"{cfg.network.run_id}-{lineage_id(cfg)}"
+        self.log(f"lineage {self.lineage} (learners only meet others with the same run id and lineage settings)")
+        self.board = ProgressBoard(self.dht, self.lineage, cfg.network.record_ttl)
+        version0 = min(g["version"] for g in payload["global"]) if payload is not None else 0
+        self.board.publish(ProgressRecord(version0, "0" * 64, 0, "training"))
+
         shard = cfg.data.shard_index
         if shard is None:
             shard = shard_for_peer(self.dht.peer_id.to_bytes(), cfg.data.num_shards)
         self.shard = shard
-        self.log(f"joined DHT; visible at {[str(a) for a in self.dht.get_visible_maddrs()]}")
-        # Announce ourselves at once, before the slow part of the start-up, so that learners finishing
-        # the run see a newcomer behind them and keep serving state until it has caught up.
-        self.board = ProgressBoard(self.dht, cfg.network.run_id, cfg.network.record_ttl)
-        version0 = payload["global"]["version"] if payload is not None else 0
-        self.board.publish(ProgressRecord(version0, "0" * 64, 0, "training"))
         self.log(f"checkpoints in {self.ckpt_dir}; data shard {shard}/{cfg.data.num_shards}")
-
         train = load_split(cfg.data, shard)
         evaluation = load_split(cfg.data, None)
+        if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
+            raise DataError(f"data shard or eval split is shorter than model.seq_len ({cfg.model.seq_len})")
         self.sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard)
         self.eval_batches = fixed_eval_batches(evaluation, cfg.model.seq_len, cfg.inner.batch_size,
                                                cfg.data.eval_batches)
         self.log(f"shard holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
 
         self.model = build_model(cfg.model, cfg.run.seed)
-        self.state = GlobalState.from_module(self.model)
+        self.params = list(self.model.parameters())
+        named = [(n, p.shape) for n, p in self.model.named_parameters()]
+        try:
+            self.fragments = build_fragments(named, cfg.sync.fragments, cfg.inner.steps_per_outer)
+        except ValueError as e:
+            raise LearnerError(f"sync.fragments: {e}") from None
+        whole = GlobalState.from_module(self.model)
+        self.states = [
+            GlobalState(params=[whole.params[i] for i in f.tensor_indices],
+                        momentum=[whole.momentum[i] for i in f.tensor_indices])
+            for f in self.fragments
+        ]
+        p = len(self.fragments)
+        self.counters.tokens_since_merge = [0] * p
+        self.counters.steps_since_merge = [0] * p
+        self.counters.missed_versions = [0] * p
         self.inner_opt = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+            self.params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
             betas=(cfg.inner.beta1, cfg.inner.beta2),
         )
         self.outer_opt = OuterOptimizer(cfg.outer)
+        self.grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
+                                 min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
         if payload is not None:
             self._restore(payload)
         self._refresh_served()
+        self.log(f"{p} fragment(s) of {[f.numel for f in self.fragments]} values; overlap τ = "
+                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
 
         self.averaging = HivemindAveraging(
-            self.dht, self.state.params, cfg.averaging, prefix=f"{cfg.network.run_id}_outer",
-            state_provider=self._serve_state, newest_version=self._newest_live_version,
+            self.dht, [t for s in self.states for t in s.params], cfg.averaging,
+            prefix=f"{self.lineage}_outer", state_provider=self._serve_state,
+            newest_version=self._newest_live_version, should_stop=self.stop.is_set,
+            fragments=self._flat_fragment_indices(), codecs=[cfg.codec_for(f.index) for f in self.fragments],
         )
-        self.averaging.set_state_priority(self.state.version)
+        self.averaging.set_state_priority(self.version)
+
+    def _flat_fragment_indices(self) -> list[tuple[int, ...]]:
+        """Fragment f's tensors are laid out consecutively in the averager's buffers."""
+        out, start = [], 0
+        for s in self.states:
+            out.append(tuple(range(start, start + len(s.params))))
+            start += len(s.params)
+        return out
+
+    def _local(self, fragment: Fragment) -> list[torch.Tensor]:
+        return [self.params[i] for i in fragment.tensor_indices]
 
     def _restore(self, payload: dict[str, Any]) -> None:
-        g = payload["global"]
-        self.state = GlobalState(
-            params=g["params"], momentum=g["momentum"], version=g["version"],
-            momentum_initialized=g["momentum_initialized"], tokens=g["tokens"],
-        )
+        self.states = [
+            GlobalState(params=g["params"], momentum=g["momentum"], version=g["version"],
+                        momentum_initialized=g["momentum_initialized"], tokens=g["tokens"])
+            for g in payload["global"]
+        ]
         self.model.load_state_dict(payload["model"])
         self.inner_opt.load_state_dict(payload["inner_opt"])
         self.counters = Counters(**payload["counters"])
         self.sampler.cursor = payload["sampler_cursor"]
-        self.log(f"resumed from {self.ckpt_dir} at version {self.state.version}")
+        self.log(f"resumed from {self.ckpt_dir} at version {self.version}")
 
     # ---- state served to peers -----------------------------------------------------------
     def _refresh_served(self) -> None:
         meta = {
-            "version": self.state.version,
-            "sha256": self.state.sha256(),
-            "momentum_initialized": self.state.momentum_initialized,
-            "tokens": self.state.tokens,
+            "versions": [s.version for s in self.states],
+            "shas": [s.sha256() for s in self.states],
+            "momentum_initialized": [s.momentum_initialized for s in self.states],
+            "tokens": [s.tokens for s in self.states],
+            "sha256": whole_sha256(self.states),
         }
-        self._served = (meta, [t.clone() for t in self.state.tensors()])
+        self._served = (meta, [t.clone() for s in self.states for t in s.tensors()])
 
     def _serve_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         served = self._served  # replaced atomically after each commit; never mutated in place
@@ -160,83 +262,85 @@ class Learner:
         return served
 
     def _download_newer_state(self) -> bool:
-        """Replace Θ with a newer, hash-verified one from peers; rebase local progress onto it."""
-        n = len(self.state.params)
+        """Adopt newer, hash-verified fragments from peers; rebase local progress onto them."""
         for attempt in range(3):
+            if self.stop.is_set():
+                return False
             loaded = self.averaging.download_state(timeout=self.cfg.averaging.next_chunk_timeout)
             if loaded is None:
                 self.log(f"state download attempt {attempt + 1}: no peer served a state", logging.WARNING)
                 continue
             meta, tensors = loaded
-            problem = _check_downloaded(meta, tensors, self.state)
+            fragments, problem = _parse_downloaded(meta, tensors, self.states)
             if problem:
                 self.log(f"rejected downloaded state: {problem}", logging.WARNING)
                 continue
-            if meta["version"] <= self.state.version:
+            adopted = []
+            for frag, new in zip(self.fragments, fragments, strict=True):
+                old = self.states[frag.index]
+                if new.version <= old.version:
+                    continue
+                rebase(self._local(frag), old.params, new.params)
+                self.counters.missed_versions[frag.index] += new.version - old.version
+                self.states[frag.index] = new
+                adopted.append(frag.index)
+            if not adopted:
                 return False
-            old_params = [p.clone() for p in self.state.params]
-            self.state = GlobalState(
-                params=[t.float().clone() for t in tensors[:n]],
-                momentum=[t.float().clone() for t in tensors[n:]],
-                version=meta["version"], momentum_initialized=meta["momentum_initialized"],
-                tokens=meta["tokens"],
-            )
-            rebase(list(self.model.parameters()), old_params, self.state.params)
             self.counters.syncs += 1
             self._refresh_served()
-            self.averaging.set_state_priority(self.state.version)
-            self.log(f"synced global state v{self.state.version} sha {self.state.sha256()[:12]} from peers "
-                     f"(kept {self.counters.steps_since_merge} local steps as progress)")
+            self.averaging.set_state_priority(self.version)
+            self.log(f"synced global state v{self.version} (fragments {adopted}) sha "
+                     f"{whole_sha256(self.states)[:12]} from peers (local progress kept)")
             return True
         return False
 
-    def _newest_live_version(self) -> int:
+    def _newest_live_version(self, fragment: int = 0) -> int:
         records = self.board.read()
-        return max((r.version for p, r in records.items() if p != self.peer_id and r.status != "left"), default=0)
+        return max((r.fragment_version(fragment) for p, r in records.items()
+                    if p != self.peer_id and r.status != "left"), default=0)
 
     def _catch_up(self) -> None:
         records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
-        newest = max((r.version for r in records.values() if r.status != "left"), default=0)
-        if newest > self.state.version:
-            self.log(f"swarm is at version {newest}, we hold {self.state.version}: downloading")
+        live = [r for r in records.values() if r.status != "left"]
+        behind = any(
+            max((r.fragment_version(f.index) for r in live), default=0) > self.states[f.index].version
+            for f in self.fragments
+        )
+        if behind:
+            self.log(f"swarm is ahead of our version {self.version}: downloading")
             self._download_newer_state()
             return
         target = self.cfg.run.max_outer_steps
         finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
-        if finished and self.state.version < target:
+        if finished and self.version < target and not live:
             raise LearnerError(
                 f"the swarm already finished at version {max(finished)} and no running peer serves that "
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
 
     # ---- training ------------------------------------------------------------------------
-    def _inner_steps(self, n: int) -> float:
-        cfg, model = self.cfg, self.model
-        model.train()
-        started, losses = time.perf_counter(), []
-        for i in range(n):
-            if self.stop.is_set():
-                break
-            x, y = self.sampler.next_batch()
-            _, loss = model(x, y)
-            self.inner_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-            self.inner_opt.step()
-            if cfg.inner.extra_step_seconds:
-                time.sleep(cfg.inner.extra_step_seconds)
-            losses.append(loss.item())
-            c = self.counters
-            c.inner_steps += 1
-            c.steps_since_merge += 1
-            c.tokens += x.numel()
-            c.tokens_since_merge += x.numel()
-            if (i + 1) % cfg.run.log_every == 0 or i + 1 == n:
-                rate = (i + 1) / (time.perf_counter() - started)
-                recent = sum(losses[-cfg.run.log_every:]) / len(losses[-cfg.run.log_every:])
-                self.log(f"inner {i + 1}/{n} loss {recent:.4f} ({rate:.1f} steps/s)")
-        return sum(losses) / len(losses) if losses else float("nan")
+    def _inner_step(self) -> float:
+        cfg, c = self.cfg, self.counters
+        started = time.perf_counter()
+        self.model.train()
+        x, y = self.sampler.next_batch()
+        _, loss = self.model(x, y)
+        self.inner_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.inner.grad_clip)
+        self.inner_opt.step()
+        if cfg.inner.extra_step_seconds:
+            time.sleep(cfg.inner.extra_step_seconds)
+        elapsed = time.perf_counter() - started
+        c.compute_seconds += elapsed
+        self.grace.observe_step(elapsed)
+        c.inner_steps += 1
+        c.tokens += x.numel()
+        for f in range(len(self.fragments)):
+            c.tokens_since_merge[f] += x.numel()
+            c.steps_since_merge[f] += 1
+        return loss.item()
 
     @torch.no_grad()
     def evaluate(self, params: list[torch.Tensor] | None = None) -> float:
@@ -248,35 +352,108 @@ class Learner:
         losses = [float(model(x, y)[1]) for x, y in self.eval_batches]
         return sum(losses) / len(losses)
 
-    def _outer_round(self, train_loss: float) -> RoundOutcome:
-        c = self.counters
-        rnd = OuterRound(
-            state=self.state, optimizer=self.outer_opt, averaging=self.averaging,
-            local_params=list(self.model.parameters()), tokens=c.tokens_since_merge,
-            inner_steps=c.steps_since_merge, max_delta_norm=self.cfg.averaging.max_delta_norm,
+    def global_params(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for frag, state in zip(self.fragments, self.states, strict=True):
+            for i, t in zip(frag.tensor_indices, state.params, strict=True):
+                out[i] = t
+        return out  # type: ignore[return-value]
+
+    def _start_round(self, frag: Fragment) -> None:
+        cfg, c = self.cfg, self.counters
+        f = frag.index
+        window = self.grace.choose()
+        weight = token_weight(c.tokens_since_merge[f], c.steps_since_merge[f], c.missed_versions[f],
+                              cfg.sync.weighting)
+        local = self._local(frag)
+        task = InFlight(
+            fragment=frag, apply_at=c.inner_steps + cfg.sync.overlap_steps,
+            snapshot=[p.detach().clone() for p in local], tokens=c.tokens_since_merge[f],
+            steps=c.steps_since_merge[f], window=window,
         )
-        out = rnd.run()
+        rnd = OuterRound(
+            state=self.states[f], optimizer=self.outer_opt, averaging=self.averaging, local_params=task.snapshot,
+            tokens=task.tokens, inner_steps=task.steps, max_delta_norm=cfg.averaging.max_delta_norm,
+            weight=weight, fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window,
+        )
+
+        def run() -> None:
+            task.outcome = rnd.run()
+
+        self.inflight = task
+        if cfg.sync.overlap_steps == 0:
+            waited = time.perf_counter()
+            run()
+            c.wait_seconds += time.perf_counter() - waited
+            self._finish_round()
+        else:
+            task.thread = threading.Thread(target=run, daemon=True, name=f"round-fragment-{f}")
+            task.thread.start()
+
+    def _finish_round(self) -> RoundOutcome:
+        """Join the round in flight (blocking if it is late) and apply its result locally."""
+        task, c, cfg = self.inflight, self.counters, self.cfg
+        assert task is not None
+        if task.thread is not None:
+            waited = time.perf_counter()
+            task.thread.join()
+            c.wait_seconds += time.perf_counter() - waited
+        self.inflight = None
+        out, f = task.outcome, task.fragment.index
+        assert out is not None
+        self._last_outcome = out
         c.bytes_sent += out.bytes_sent
+        self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
         if out.committed:
-            load_into_module(self.model, self.state.params)
+            local, new = self._local(task.fragment), self.states[f].params
+            with torch.no_grad():
+                for p, g, snap in zip(local, new, task.snapshot, strict=True):
+                    if cfg.sync.apply_policy == "mix":
+                        p.copy_(g + (p.detach() - snap))
+                    else:
+                        p.copy_(g)
             c.outer_steps += 1
-            c.tokens_since_merge = c.steps_since_merge = 0
+            # Tokens taken during the overlap were not part of this round; they count for the next one.
+            c.tokens_since_merge[f] -= task.tokens
+            c.steps_since_merge[f] -= task.steps
+            c.missed_versions[f] = 0
             self._refresh_served()
-            self.averaging.set_state_priority(self.state.version)
+            self.averaging.set_state_priority(self.version)
         else:
             c.rounds_failed += 1
-        eval_loss = self.evaluate()
         status = "committed" if out.committed else f"not committed ({out.reason}); local progress kept"
         self.log(
-            f"outer round {status} | version {self.state.version} group {out.group_size} "
-            f"tokens {c.tokens} train_loss {train_loss:.4f} eval_loss {eval_loss:.4f} "
-            f"allreduce {out.allreduce_seconds:.2f}s round {out.round_seconds:.2f}s "
-            f"sent {out.bytes_sent / 1e6:.3f} MB"
+            f"outer round {status} | version {self.states[f].version} fragment {f}/{len(self.fragments)} "
+            f"group {out.group_size} window {task.window:.2f}s allreduce {out.allreduce_seconds:.2f}s "
+            f"round {out.round_seconds:.2f}s sent {out.bytes_sent / 1e6:.3f} MB"
         )
         return out
 
+    def _sync_due_fragments(self) -> None:
+        target, c = self.cfg.run.max_outer_steps, self.counters
+        for frag in due_fragments(self.fragments, c.inner_steps, self.cfg.inner.steps_per_outer):
+            if self.inflight is not None:
+                self._finish_round()  # the overlap budget ran out: wait for the previous round
+            self._catch_up()
+            if target is not None and self.states[frag.index].version >= target:
+                continue
+            self._start_round(frag)
+            if self.cfg.sync.overlap_steps == 0 and self._last_superseded:
+                # We were late for the swarm's round: take its newer Θ (our steps are rebased onto it)
+                # and join the next round right away, so we fall back into step with the others.
+                self._catch_up()
+                if target is None or self.states[frag.index].version < target:
+                    self._start_round(frag)
+
+    @property
+    def _last_superseded(self) -> bool:
+        return self._last_outcome is not None and self._last_outcome.superseded
+
     def _publish(self, status: str = "training") -> None:
-        self.board.publish(ProgressRecord(self.state.version, self.state.sha256(), self.state.tokens, status))
+        meta = self._serve_state()[0]
+        versions = tuple(meta["versions"])
+        self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(meta["tokens"]), status,
+                                          versions=versions))
 
     def _heartbeat(self) -> None:
         period = self.cfg.network.record_ttl / 3
@@ -285,12 +462,13 @@ class Learner:
 
     def _checkpoint(self) -> None:
         payload = {
-            "format": 1,
+            "format": 2,
             "config": self.cfg.model_dump(),
-            "global": {
-                "params": self.state.params, "momentum": self.state.momentum, "version": self.state.version,
-                "momentum_initialized": self.state.momentum_initialized, "tokens": self.state.tokens,
-            },
+            "global": [
+                {"params": s.params, "momentum": s.momentum, "version": s.version,
+                 "momentum_initialized": s.momentum_initialized, "tokens": s.tokens}
+                for s in self.states
+            ],
             "model": self.model.state_dict(),
             "inner_opt": self.inner_opt.state_dict(),
             "counters": vars(self.counters).copy(),
@@ -300,7 +478,7 @@ class Learner:
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps
-        return target is not None and self.state.version >= target
+        return target is not None and self.version >= target
 
     def _linger(self) -> None:
         """Serve the final state while learners still training are behind us (bounded)."""
@@ -308,49 +486,66 @@ class Learner:
         while time.monotonic() < deadline and not self.stop.is_set():
             records = self.board.read()
             behind = [p for p, r in records.items()
-                      if p != self.peer_id and r.status == "training" and r.version < self.state.version]
+                      if p != self.peer_id and r.status == "training" and r.version < self.version]
             if not behind:
                 return
             self.stop.wait(1.0)
 
+    def _end_of_outer_step(self, losses: list[float]) -> None:
+        c = self.counters
+        eval_loss = self.evaluate()
+        busy = c.compute_seconds / max(1e-9, c.compute_seconds + c.wait_seconds)
+        train_loss = sum(losses) / max(1, len(losses))
+        self.log(f"outer step done | version {self.version} tokens {c.tokens} train_loss {train_loss:.4f} "
+                 f"eval_loss {eval_loss:.4f} compute {busy:.1%} sent {c.bytes_sent / 1e6:.3f} MB total")
+        self._publish()
+        self._checkpoint()
+
     def run(self) -> dict[str, Any]:
-        self._setup()
         self._status = "training"
         self._heartbeat_stop = threading.Event()
-        heartbeat = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
+        heartbeat = self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat, daemon=True, name="progress-heartbeat"
+        )
         try:
+            self._setup()
             self._publish()
             heartbeat.start()
             self._catch_up()
             if self.counters.first_eval_loss is None:
                 self.counters.first_eval_loss = self.evaluate()
                 self.log(f"eval_loss {self.counters.first_eval_loss:.4f} before training")
-            while not self.stop.is_set() and not self._finished():
-                train_loss = self._inner_steps(self.cfg.inner.steps_per_outer)
-                if self.stop.is_set():
-                    break
-                self._catch_up()
-                if self._finished():
-                    break
-                outcome = self._outer_round(train_loss)
-                if outcome.superseded:
-                    # We were late for the swarm's round: take its newer Θ (our steps are rebased onto
-                    # it) and join the next round right away, so we fall back into step with the others.
-                    self._catch_up()
-                    if not self._finished():
-                        self._outer_round(train_loss)
-                self._publish()
-                self._checkpoint()
-            self._checkpoint()  # keeps inner steps taken since the last round
+            self._train()
             if self._finished():
                 self._status = "done"
                 self._publish("done")
-                self.log(f"reached version {self.state.version}; serving state to learners still behind")
+                self.log(f"reached version {self.version}; serving state to learners still behind")
                 self._linger()
             return self.summary()
         finally:
             self._heartbeat_stop.set()
             self._shutdown()
+
+    def _train(self) -> None:
+        cfg, c = self.cfg, self.counters
+        losses: list[float] = []
+        started_at = time.perf_counter()
+        while not self.stop.is_set() and not self._finished():
+            losses.append(self._inner_step())
+            if self.inflight is not None and c.inner_steps >= self.inflight.apply_at:
+                self._finish_round()
+            self._sync_due_fragments()
+            if c.inner_steps % cfg.run.log_every == 0:
+                rate = len(losses) / (time.perf_counter() - started_at)
+                recent = losses[-cfg.run.log_every:]
+                self.log(f"inner {c.inner_steps % cfg.inner.steps_per_outer or cfg.inner.steps_per_outer}/"
+                         f"{cfg.inner.steps_per_outer} loss {sum(recent) / len(recent):.4f} ({rate:.1f} steps/s)")
+            if c.inner_steps % cfg.inner.steps_per_outer == 0:
+                self._end_of_outer_step(losses)
+                losses, started_at = [], time.perf_counter()
+        if self.inflight is not None:
+            self._finish_round()
+        self._checkpoint()  # keeps inner steps taken since the last round
 
     def summary(self) -> dict[str, Any]:
         c = self.counters
@@ -363,15 +558,23 @@ class Learner:
             "inner_steps": c.inner_steps,
             "tokens": c.tokens,
             "bytes_sent": c.bytes_sent,
+            "compute_seconds": c.compute_seconds,
+            "wait_seconds": c.wait_seconds,
             "first_eval_loss": c.first_eval_loss,
-            "last_eval_loss": self.evaluate(self.state.params),
-            "version": self.state.version,
-            "global_tokens": self.state.tokens,
-            "global_state_sha256": self.state.sha256(),
+            "last_eval_loss": self.evaluate(self.global_params()),
+            "version": self.version,
+            "versions": [s.version for s in self.states],
+            "global_tokens": min(s.tokens for s in self.states),
+            "fragment_sha256": [s.sha256() for s in self.states],
+            "global_state_sha256": whole_sha256(self.states),
         }
 
     def _shutdown(self) -> None:
-        if hasattr(self, "board"):
+        if self.inflight is not None and self.inflight.thread is not None:
+            self.inflight.thread.join(timeout=self.cfg.averaging.round_timeout + 5)
+        if hasattr(self, "_heartbeat_thread") and self._heartbeat_thread.is_alive():
+            self._heartbeat_thread.join(timeout=5)
+        if hasattr(self, "board") and self._served is not None:
             self._publish("left")
         if hasattr(self, "averaging"):
             self.averaging.shutdown()
@@ -381,24 +584,36 @@ class Learner:
             self._dir_lock.release()
 
 
-def _check_downloaded(meta: Any, tensors: list[torch.Tensor], current: GlobalState) -> str:
-    n = len(current.params)
+def _parse_downloaded(
+    meta: Any, tensors: list[torch.Tensor], current: list[GlobalState]
+) -> tuple[list[GlobalState], str]:
+    """Per-fragment states from a peer's download, each verified against its advertised hash."""
     if not isinstance(meta, dict):
-        return "metadata is not a map"
-    for key, typ in (("version", int), ("sha256", str), ("momentum_initialized", bool), ("tokens", int)):
-        if not isinstance(meta.get(key), typ):
-            return f"metadata field {key} missing or of the wrong type"
-    if len(tensors) != 2 * n:
-        return f"expected {2 * n} tensors, got {len(tensors)}"
-    for t, ref in zip(tensors, current.tensors(), strict=True):
+        return [], "metadata is not a map"
+    p = len(current)
+    for key, typ in (("versions", int), ("shas", str), ("momentum_initialized", bool), ("tokens", int)):
+        value = meta.get(key)
+        if not isinstance(value, list) or len(value) != p or not all(isinstance(v, typ) for v in value):
+            return [], f"metadata field {key} missing or malformed"
+    expected = [t for s in current for t in s.tensors()]
+    if len(tensors) != len(expected):
+        return [], f"expected {len(expected)} tensors, got {len(tensors)}"
+    for t, ref in zip(tensors, expected, strict=True):
         if t.shape != ref.shape:
-            return f"tensor of shape {tuple(t.shape)} where {tuple(ref.shape)} was expected"
+            return [], f"tensor of shape {tuple(t.shape)} where {tuple(ref.shape)} was expected"
         if not torch.isfinite(t).all():
-            return "tensor holds NaN or Inf"
-    sha = state_sha256([t.float() for t in tensors], meta["version"], meta["momentum_initialized"])
-    if sha != meta["sha256"]:
-        return "hash of the received tensors does not match the advertised sha256"
-    return ""
+            return [], "tensor holds NaN or Inf"
+    states, start = [], 0
+    for f, cur in enumerate(current):
+        n = len(cur.params)
+        chunk = [t.float().clone() for t in tensors[start:start + 2 * n]]
+        start += 2 * n
+        version, init = meta["versions"][f], meta["momentum_initialized"][f]
+        if state_sha256(chunk, version, init, meta["tokens"][f]) != meta["shas"][f]:
+            return [], f"hash of fragment {f} does not match the advertised sha256"
+        states.append(GlobalState(params=chunk[:n], momentum=chunk[n:], version=version,
+                                  momentum_initialized=init, tokens=meta["tokens"][f]))
+    return states, ""
 
 
 def write_summary(path: str | Path, summary: dict[str, Any]) -> None:

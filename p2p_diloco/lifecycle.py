@@ -13,6 +13,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 import hivemind
 
@@ -20,18 +21,55 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(expected_parent: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux only; no-op elsewhere)."""
+    """Ask the kernel to SIGKILL this process when its parent thread exits (Linux; no-op elsewhere).
+
+    Call it only in children forked from the main thread: the signal fires when the forking thread ends.
+    """
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != expected_parent:  # the parent died before prctl took effect
         os._exit(1)
+    # A forked child inherits the learner's handlers, which only set a stop flag: it would then
+    # ignore hivemind's terminate(). SIGTERM ends it; Ctrl+C is the parent's to handle (it shuts
+    # the children down in order).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class LinkedDHT(hivemind.DHT):
-    """hivemind.DHT whose background process (and thus its p2pd) ends when the learner dies."""
+    """hivemind.DHT whose background process (and thus its p2pd) ends when the learner dies.
+
+    Calls from several threads of the learner (training loop, round thread, progress heartbeat)
+    are serialized: hivemind sends each request down one multiprocessing pipe without a lock.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._call_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         super().run()
+
+    def get(self, *args, **kwargs):
+        if kwargs.get("return_future"):
+            with self._call_lock:
+                return super().get(*args, **kwargs)
+        future = self.get(*args, **{**kwargs, "return_future": True})
+        return future.result()
+
+    def store(self, *args, **kwargs):
+        if kwargs.get("return_future"):
+            with self._call_lock:
+                return super().store(*args, **kwargs)
+        future = self.store(*args, **{**kwargs, "return_future": True})
+        return future.result()
+
+    def run_coroutine(self, *args, **kwargs):
+        if kwargs.get("return_future"):
+            with self._call_lock:
+                return super().run_coroutine(*args, **kwargs)
+        future = self.run_coroutine(*args, **{**kwargs, "return_future": True})
+        return future.result()

@@ -42,7 +42,7 @@ class GlobalState:
         return [*self.params, *self.momentum]
 
     def sha256(self) -> str:
-        return state_sha256(self.tensors(), self.version, self.momentum_initialized)
+        return state_sha256(self.tensors(), self.version, self.momentum_initialized, self.tokens)
 
     def copy(self) -> GlobalState:
         return GlobalState(
@@ -54,9 +54,11 @@ class GlobalState:
         )
 
 
-def state_sha256(tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool) -> str:
+def state_sha256(
+    tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool, tokens: int = 0
+) -> str:
     h = hashlib.sha256()
-    h.update(f"v{version}m{int(momentum_initialized)}".encode())
+    h.update(f"v{version}m{int(momentum_initialized)}t{int(tokens)}".encode())
     for t in tensors:
         t = t.detach().contiguous().cpu()
         h.update(str(tuple(t.shape)).encode())

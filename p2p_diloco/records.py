@@ -23,7 +23,7 @@ logger = get_logger(__name__)
 
 Status = Literal["training", "done", "left"]
 _STATUSES = ("training", "done", "left")
-_MAX_RECORD_BYTES = 1024
+_MAX_RECORD_BYTES = 16 * 1024
 
 
 class RecordError(ValueError):
@@ -37,9 +37,13 @@ class ProgressRecord:
     tokens: int
     status: Status = "training"
     wall_time: float = 0.0
+    versions: tuple[int, ...] = ()  # per fragment; `version` is their minimum
 
     def encode(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        return msgpack.packb({**asdict(self), "versions": list(self.versions)}, use_bin_type=True)
+
+    def fragment_version(self, fragment: int) -> int:
+        return self.versions[fragment] if fragment < len(self.versions) else self.version
 
     @classmethod
     def decode(cls, raw: object) -> ProgressRecord:
@@ -63,7 +67,14 @@ class ProgressRecord:
             raise RecordError(f"bad status {status!r}")
         if not isinstance(wall, int | float):
             raise RecordError("bad wall_time")
-        return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall))
+        versions = obj.get("versions", [])
+        if not (
+            isinstance(versions, list) and len(versions) <= 1024
+            and all(isinstance(v, int) and 0 <= v < 2**40 for v in versions)
+        ):
+            raise RecordError("bad versions")
+        return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall),
+                   versions=tuple(versions))
 
 
 class ProgressBoard:

@@ -13,6 +13,7 @@ never an exception from the network.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
+from p2p_diloco.merging import rda_combine, to_unit
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
 
 
@@ -50,6 +52,8 @@ class RoundOutcome:
 
 @dataclass
 class OuterRound:
+    """One fragment's round. ``state`` and ``local_params`` are that fragment's tensors only."""
+
     state: GlobalState
     optimizer: OuterOptimizer
     averaging: Averaging
@@ -57,11 +61,20 @@ class OuterRound:
     tokens: int
     inner_steps: int
     max_delta_norm: float = 1e4
+    weight: float | None = None  # default: tokens
+    fragment: int = 0
+    rda: bool = False
+    grace: float | None = None
     stage: Stage = field(init=False, default=Stage.PREPARED)
     _delta: list[torch.Tensor] = field(init=False, repr=False)
+    _norm: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self._delta = pseudo_gradient(self.state.params, self.local_params)
+        if self.weight is None:
+            self.weight = float(self.tokens)
+        if self.rda:
+            self._delta, self._norm = to_unit(self._delta)
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -69,6 +82,8 @@ class OuterRound:
             "sha256": self.state.sha256(),
             "tokens": int(self.tokens),
             "steps": int(self.inner_steps),
+            "weight": float(self.weight),
+            "norm": float(self._norm),
         }
 
     def run(self) -> RoundOutcome:
@@ -79,24 +94,31 @@ class OuterRound:
         return outcome
 
     def _run(self) -> RoundOutcome:
-        if self.tokens <= 0:
+        if self.tokens <= 0 or not self.weight or self.weight <= 0:
             return self._fail("no local progress to contribute")
         meta = self.metadata()
         self.stage = Stage.AVERAGING
         try:
-            result = self.averaging.average(self._delta, float(self.tokens), meta, self.state.version)
+            result = self.averaging.average(
+                self._delta, float(self.weight), meta, self.state.version, fragment=self.fragment, grace=self.grace
+            )
         except RoundSuperseded as e:
             outcome = self._fail(str(e))
             outcome.superseded = True
             return outcome
         except RoundFailed as e:
             return self._fail(str(e))
-        problem = self._check_group(result.groupmates, meta) or self._check_delta(result.deltas)
+        problem = self._check_group(result.groupmates, meta)
+        averaged = result.deltas
+        if not problem and self.rda:
+            mates = [result.groupmates[p] for p in sorted(result.groupmates)]
+            averaged = rda_combine(averaged, [m["norm"] for m in mates], [m["weight"] for m in mates])
+        problem = problem or self._check_delta(averaged)
         if problem:
             return self._fail(problem, group_size=result.group_size)
         self.stage = Stage.VALIDATED
         group_tokens = sum(int(m.get("tokens", 0)) for m in result.groupmates.values())
-        self.optimizer.apply(self.state, result.deltas, tokens=group_tokens)
+        self.optimizer.apply(self.state, averaged, tokens=group_tokens)
         self.stage = Stage.APPLIED
         return RoundOutcome(
             stage=self.stage,
@@ -123,6 +145,10 @@ class OuterRound:
             tokens = theirs.get("tokens")
             if not isinstance(tokens, int) or tokens < 0:
                 return f"groupmate {peer} reported invalid tokens {tokens!r}"
+            for key in ("weight", "norm"):
+                value = theirs.get(key)
+                if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                    return f"groupmate {peer} reported invalid {key} {value!r}"
         return ""
 
     def _check_delta(self, deltas: list[torch.Tensor]) -> str:

@@ -64,23 +64,25 @@ def test_sigkill_of_one_learner_does_not_stop_the_others(swarm):
     _assert_one_lineage(swarm, range(2), 5)
 
 
-@pytest.mark.timeout(180)
-def test_sigterm_leaves_cleanly_and_resume_continues(swarm):
+@pytest.mark.timeout(240)
+def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
     swarm.start_bootstrap()
     a, b = (swarm.start_learner(i, max_outer_steps=50) for i in range(2))
-    wait_until(lambda: committed_version(a) >= 1, 120, a, "version 1")
+    wait_until(lambda: committed_version(a) >= 1 and committed_version(b) >= 1, 120, a, "version 1")
     a.popen.send_signal(signal.SIGTERM)
-    assert a.wait(60) == 0, a.text()
-    assert not processes_in_group(a.pid)
-    version = swarm.summary(0)["version"]
-    assert version >= 1
-    b.popen.send_signal(signal.SIGTERM)
-    assert b.wait(60) == 0, b.text()
-    # Resume from the checkpoint: the learner comes back at the version it left with.
-    again = swarm.start_learner(0, max_outer_steps=version, extra=["--resume"])
-    assert again.wait(90) == 0, again.text()
-    assert "resumed from" in again.text()
-    assert swarm.summary(0)["version"] == version
+    b.popen.send_signal(signal.SIGINT)  # Ctrl+C
+    for p, name in ((a, "SIGTERM"), (b, "SIGINT")):
+        assert p.wait(60) == 0, p.text()
+        assert f"caught {name}" in p.text()
+        assert not processes_in_group(p.pid), processes_in_group(p.pid)
+    left_at = max(swarm.summary(0)["version"], swarm.summary(1)["version"])
+    assert left_at >= 1
+    # Both come back from their checkpoints and train on together for one more version.
+    again = [swarm.start_learner(i, max_outer_steps=left_at + 1, extra=["--resume"]) for i in range(2)]
+    for p in again:
+        assert p.wait(150) == 0, p.text()
+        assert "resumed from" in p.text()
+    _assert_one_lineage(swarm, range(2), left_at + 1)
 
 
 @pytest.mark.timeout(120)

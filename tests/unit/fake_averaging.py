@@ -28,7 +28,7 @@ class FakeAveraging:
     def __init__(self, group: FakeGroup, name: str, fail: bool = False):
         self.group, self.name, self.fail = group, name, fail
 
-    def average(self, deltas, weight, metadata, version):
+    def average(self, deltas, weight, metadata, version, fragment=0, grace=None):
         if self.fail:
             raise RoundFailed("no group formed within the round window")
         g = self.group

@@ -5,8 +5,8 @@ from p2p_diloco.checkpoint import CheckpointError, claim_checkpoint_dir, load_ch
 
 
 def test_save_load_roundtrip(tmp_path):
-    save_checkpoint(tmp_path, {"format": 1, "x": torch.arange(3)})
-    save_checkpoint(tmp_path, {"format": 1, "x": torch.arange(4)})
+    save_checkpoint(tmp_path, {"format": 2, "x": torch.arange(3)})
+    save_checkpoint(tmp_path, {"format": 2, "x": torch.arange(4)})
     assert torch.equal(load_checkpoint(tmp_path)["x"], torch.arange(4))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".latest")] == []
 

@@ -63,7 +63,7 @@ class _StubAveraging:
     def __init__(self, deltas, groupmates):
         self.deltas, self.groupmates = deltas, groupmates
 
-    def average(self, deltas, weight, metadata, version):
+    def average(self, deltas, weight, metadata, version, fragment=0, grace=None):
         from p2p_diloco.averaging import AverageResult
 
         mates = {k: (dict(metadata) if v == "same" else v) for k, v in self.groupmates.items()}
@@ -72,7 +72,7 @@ class _StubAveraging:
 
 def test_round_refuses_groupmate_with_other_state():
     state, params = _learner(1.0)
-    other = {"version": 0, "sha256": "0" * 64, "tokens": 5, "steps": 1}
+    other = {"version": 0, "sha256": "0" * 64, "tokens": 5, "steps": 1, "weight": 5.0, "norm": 0.0}
     out = OuterRound(state, OuterOptimizer(OuterConfig()), _StubAveraging(None, {"me": "same", "x": other}),
                      params, 100, 10).run()
     assert not out.committed and "holds version 0" in out.reason

@@ -1,0 +1,72 @@
+"""Parameter fragments and their staggered sync schedule (Streaming / Decoupled DiLoCo).
+
+The parameters are split into P fragments of balanced size by **greedy bin-packing over
+tensors**: tensors sorted by size (largest first, ties by position) each go to the fragment with
+the fewest elements so far. We chose it over strided transformer blocks because it balances any
+model, including ones whose embedding dwarfs a block (a byte-level model's embedding is small, a
+word-level one's is not), and needs no knowledge of the architecture. The assignment depends only
+on tensor shapes and P, so every learner computes the same fragments.
+
+Fragment f syncs at local inner steps s with ``s % H == offset_f`` (s > 0), with offsets spread
+evenly over H: one fragment every H/P steps, so about 1/P of the model is in flight at a time.
+P = 1 gives plain DiLoCo (everything syncs every H steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Fragment:
+    index: int
+    tensor_indices: tuple[int, ...]
+    numel: int
+    offset: int  # sync when step % H == offset
+    has_embedding: bool  # embeddings always use plain averaging (not RDA)
+
+
+def partition(shapes: Sequence[torch.Size], num_fragments: int) -> list[list[int]]:
+    """Greedy balanced assignment of tensor indices to ``num_fragments`` bins (each bin sorted)."""
+    if num_fragments < 1:
+        raise ValueError("num_fragments must be >= 1")
+    if num_fragments > len(shapes):
+        raise ValueError(f"cannot split {len(shapes)} tensors into {num_fragments} non-empty fragments")
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    bins: list[list[int]] = [[] for _ in range(num_fragments)]
+    load = [0] * num_fragments
+    for i in order:
+        target = min(range(num_fragments), key=lambda b: (load[b], b))
+        bins[target].append(i)
+        load[target] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def build_fragments(
+    named_shapes: Sequence[tuple[str, torch.Size]], num_fragments: int, steps_per_outer: int
+) -> list[Fragment]:
+    bins = partition([s for _, s in named_shapes], num_fragments)
+    fragments = []
+    for f, indices in enumerate(bins):
+        offset = (f * steps_per_outer) // num_fragments
+        fragments.append(
+            Fragment(
+                index=f,
+                tensor_indices=tuple(indices),
+                numel=sum(int(torch.Size(named_shapes[i][1]).numel()) for i in indices),
+                offset=offset,
+                has_embedding=any("emb" in named_shapes[i][0] for i in indices),
+            )
+        )
+    return fragments
+
+
+def due_fragments(fragments: Sequence[Fragment], step: int, steps_per_outer: int) -> list[Fragment]:
+    """Fragments whose sync falls on local inner step ``step`` (counted from 1)."""
+    if step <= 0:
+        return []
+    return [f for f in fragments if step % steps_per_outer == f.offset]

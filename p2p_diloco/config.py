@@ -127,6 +127,10 @@ class SyncConfig(_Section):
     weighting: Literal["tokens", "tokens2_per_step"] = "tokens2_per_step"
     rda: bool = Field(False, description="radial-directional averaging for fragments without embeddings")
     fragment_compression: list[Codec] = Field(default_factory=list, description="per fragment; [] = averaging's")
+    schedule: Literal["steps", "clock"] = Field(
+        "steps", description="steps: fragment f every H steps at offset f·H/P; clock: at wall-clock slots"
+    )
+    period_seconds: float = Field(60.0, gt=0.0, description="clock schedule: seconds between a fragment's rounds")
     grace_gamma: float = Field(0.5, gt=0.0, lt=1.0, description="grace ≤ γ·slack")
     max_grace: float = Field(10.0, gt=0.0)
 
@@ -166,6 +170,9 @@ class LearnerConfig(_Section):
         h, p, tau = self.inner.steps_per_outer, self.sync.fragments, self.sync.overlap_steps
         if p > h:
             raise ValueError(f"sync.fragments ({p}) cannot exceed inner.steps_per_outer ({h})")
+        if self.sync.schedule == "clock" and self.sync.period_seconds / p <= self.averaging.matchmaking_time:
+            raise ValueError(f"sync.period_seconds / sync.fragments must exceed averaging.matchmaking_time "
+                             f"({self.averaging.matchmaking_time}s) so that one round ends before the next")
         if p > 1 and tau >= h // p:
             # At most one round in flight: a fragment's result is applied before the next one starts.
             raise ValueError(f"sync.overlap_steps ({tau}) must be below inner.steps_per_outer / sync.fragments "

@@ -10,6 +10,12 @@ on tensor shapes and P, so every learner computes the same fragments.
 Fragment f syncs at local inner steps s with ``s % H == offset_f`` (s > 0), with offsets spread
 evenly over H: one fragment every H/P steps, so about 1/P of the model is in flight at a time.
 P = 1 gives plain DiLoCo (everything syncs every H steps).
+
+The alternative ``clock`` schedule (:class:`ClockSchedule`) puts fragment f's rounds at wall-clock
+times ``k·T + f·T/P`` (DHT time, i.e. the machines' synchronized clocks). Every learner, fast or
+slow, then meets the others at each fragment's round and contributes whatever progress it made
+since its last merge, weighted by its tokens: faster learners never wait for slower ones and the
+slower ones' tokens still reach the global model in every round.
 """
 
 from __future__ import annotations
@@ -70,3 +76,24 @@ def due_fragments(fragments: Sequence[Fragment], step: int, steps_per_outer: int
     if step <= 0:
         return []
     return [f for f in fragments if step % steps_per_outer == f.offset]
+
+
+class ClockSchedule:
+    """Fragment rounds at wall-clock slots shared by every learner: ``k·period + f·period/P``."""
+
+    def __init__(self, fragments: Sequence[Fragment], period: float, now: float):
+        self.fragments, self.period = list(fragments), period
+        # Start with the next slot of each fragment: a learner joining mid-slot waits for the next one.
+        self._last = [self._slot(f, now) for f in self.fragments]
+
+    def _slot(self, fragment: Fragment, now: float) -> int:
+        return int((now - fragment.index * self.period / len(self.fragments)) // self.period)
+
+    def due(self, now: float) -> list[Fragment]:
+        out = []
+        for f in self.fragments:
+            slot = self._slot(f, now)
+            if slot > self._last[f.index]:
+                self._last[f.index] = slot
+                out.append(f)
+        return out

@@ -40,12 +40,13 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging import HivemindAveraging
 from p2p_diloco.checkpoint import claim_checkpoint_dir, load_checkpoint, save_checkpoint
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_split, shard_for_peer
-from p2p_diloco.fragments import Fragment, build_fragments, due_fragments
+from p2p_diloco.fragments import ClockSchedule, Fragment, build_fragments, due_fragments
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.lifecycle import LinkedDHT
 from p2p_diloco.merging import token_weight
@@ -71,6 +72,7 @@ class Counters:
     bytes_sent: int = 0
     compute_seconds: float = 0.0  # wall time inside inner steps
     wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
+    train_seconds: float = 0.0  # wall time of the training loop (inner steps, rounds, evals, checkpoints)
     first_eval_loss: float | None = None
     # per fragment, since that fragment's last committed round:
     tokens_since_merge: list[int] = field(default_factory=list)
@@ -117,7 +119,8 @@ def lineage_id(cfg: LearnerConfig) -> str:
         "model": cfg.model.model_dump(), "outer": cfg.outer.model_dump(), "seed": cfg.run.seed,
         "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
         "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
-        "steps_per_outer": cfg.inner.steps_per_outer,
+        "steps_per_outer": cfg.inner.steps_per_outer, "schedule": cfg.sync.schedule,
+        "period": cfg.sync.period_seconds if cfg.sync.schedule == "clock" else None,
     }
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:8]
 
@@ -191,6 +194,10 @@ class Learner:
             self.fragments = build_fragments(named, cfg.sync.fragments, cfg.inner.steps_per_outer)
         except ValueError as e:
             raise LearnerError(f"sync.fragments: {e}") from None
+        self.clock = (
+            ClockSchedule(self.fragments, cfg.sync.period_seconds, get_dht_time())
+            if cfg.sync.schedule == "clock" else None
+        )
         whole = GlobalState.from_module(self.model)
         self.states = [
             GlobalState(params=[whole.params[i] for i in f.tensor_indices],
@@ -429,10 +436,22 @@ class Learner:
         )
         return out
 
+    def _due(self) -> list[Fragment]:
+        if self.clock is not None:
+            return self.clock.due(get_dht_time())
+        return due_fragments(self.fragments, self.counters.inner_steps, self.cfg.inner.steps_per_outer)
+
     def _sync_due_fragments(self) -> None:
-        target, c = self.cfg.run.max_outer_steps, self.counters
-        for frag in due_fragments(self.fragments, c.inner_steps, self.cfg.inner.steps_per_outer):
+        target = self.cfg.run.max_outer_steps
+        for frag in self._due():
             if self.inflight is not None:
+                if self.clock is not None:
+                    # On the clock schedule a learner that is still busy with the previous round skips
+                    # this slot rather than fall further behind; the fragment's progress waits for its
+                    # next slot.
+                    self.log(f"skipped fragment {frag.index}'s slot: fragment {self.inflight.fragment.index}'s "
+                             "round is still in flight")
+                    continue
                 self._finish_round()  # the overlap budget ran out: wait for the previous round
             self._catch_up()
             if target is not None and self.states[frag.index].version >= target:
@@ -515,7 +534,9 @@ class Learner:
             if self.counters.first_eval_loss is None:
                 self.counters.first_eval_loss = self.evaluate()
                 self.log(f"eval_loss {self.counters.first_eval_loss:.4f} before training")
+            train_started = time.perf_counter()
             self._train()
+            self.counters.train_seconds += time.perf_counter() - train_started
             if self._finished():
                 self._status = "done"
                 self._publish("done")
@@ -559,6 +580,7 @@ class Learner:
             "tokens": c.tokens,
             "bytes_sent": c.bytes_sent,
             "compute_seconds": c.compute_seconds,
+            "train_seconds": c.train_seconds,
             "wait_seconds": c.wait_seconds,
             "first_eval_loss": c.first_eval_loss,
             "last_eval_loss": self.evaluate(self.global_params()),

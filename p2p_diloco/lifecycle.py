@@ -53,23 +53,17 @@ class LinkedDHT(hivemind.DHT):
         die_with_parent(self._parent_pid)
         super().run()
 
+    def _serialized(self, method, args, kwargs):
+        """Send the request under the lock; wait for the answer outside it."""
+        with self._call_lock:
+            future = method(*args, **{**kwargs, "return_future": True})
+        return future if kwargs.get("return_future") else future.result()
+
     def get(self, *args, **kwargs):
-        if kwargs.get("return_future"):
-            with self._call_lock:
-                return super().get(*args, **kwargs)
-        future = self.get(*args, **{**kwargs, "return_future": True})
-        return future.result()
+        return self._serialized(super().get, args, kwargs)
 
     def store(self, *args, **kwargs):
-        if kwargs.get("return_future"):
-            with self._call_lock:
-                return super().store(*args, **kwargs)
-        future = self.store(*args, **{**kwargs, "return_future": True})
-        return future.result()
+        return self._serialized(super().store, args, kwargs)
 
     def run_coroutine(self, *args, **kwargs):
-        if kwargs.get("return_future"):
-            with self._call_lock:
-                return super().run_coroutine(*args, **kwargs)
-        future = self.run_coroutine(*args, **{**kwargs, "return_future": True})
-        return future.result()
+        return self._serialized(super().run_coroutine, args, kwargs)

@@ -54,3 +54,20 @@ def test_single_fragment_is_plain_diloco():
 def test_too_many_fragments_is_an_error():
     with pytest.raises(ValueError):
         partition([torch.Size([2])], 2)
+
+
+def test_clock_schedule_staggers_fragments_and_skips_the_current_slot():
+    from p2p_diloco.fragments import ClockSchedule
+
+    frags = build_fragments(_named(), 4, 24)
+    sched = ClockSchedule(frags, period=40.0, now=1000.0)
+    assert sched.due(1000.5) == []
+    fired = []
+    t = 1000.0
+    while t < 1080.0:
+        t += 0.5
+        fired += [(round(t, 1), f.index) for f in sched.due(t)]
+    # one fragment every period / P = 10 s, each fragment once per 40 s period
+    assert [f for _, f in fired] == [1, 2, 3, 0, 1, 2, 3, 0]
+    gaps = {round(b[0] - a[0], 1) for a, b in zip(fired, fired[1:], strict=False)}
+    assert gaps == {10.0}

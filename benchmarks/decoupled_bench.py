@@ -1,0 +1,605 @@
+"""Decoupled DiLoCo benchmark: quality, communication, compute utilization and mixed speeds, side by side.
+
+One run trains the same byte-level GPT on the same data shards for the same number of inner steps per
+worker in four ways and reports them together:
+
+(a) ``dp``: per-step data parallel. M processes (torch.distributed gloo on 127.0.0.1), worker i reads
+    data shard i of M through the learners' own ``BatchSampler`` (same seed rule as a learner), every
+    step averages the gradients with ``all_reduce``, clips, and takes an AdamW step with the learners'
+    inner hyperparameters. Eval: the final model on the fixed eval batches, exactly like
+    ``Learner.evaluate``. Bytes per step are *computed* for a ring all-reduce of fp32 gradients,
+    2·(M−1)/M · 4 · num_params, not measured.
+(b) ``sync``: plain synchronous DiLoCo through the real CLI: a bootstrap node and M ``p2p-diloco learner``
+    processes with ``sync.fragments=1``, ``sync.overlap_steps=0``, ``averaging.compression=none``.
+(c) ``decoupled``: the same with ``sync.fragments=P`` (4), ``sync.overlap_steps=τ`` and int4 outer gradients.
+(d) ``decoupled-mixed``: (c) again with learner M−1 slowed down by ``inner.extra_step_seconds`` (a sleep of
+    (slow_factor − 1) × the step time measured in (c), so its steps take ``slow_factor`` times as long).
+
+For (b)–(d) every figure comes from the learners' ``--summary`` JSON (measured): ``last_eval_loss``
+(the global model), ``global_state_sha256``, ``bytes_sent / inner_steps``, ``compute_seconds /
+train_seconds`` and ``compute_seconds / (compute_seconds + wait_seconds)``; group sizes and failed
+rounds are read from the learners' logs.
+
+τ is chosen from the step time measured in (a): the smallest τ whose τ steps last ``--overlap-seconds``
+(default 5 s, above a fragment round ≈ matchmaking_time 3 s + all-reduce), capped at H/P − 1.
+
+Usage::
+
+    .venv/bin/python benchmarks/decoupled_bench.py                 # default run, ~10 min on 2 cores
+    .venv/bin/python benchmarks/decoupled_bench.py --quick         # sanity run, ~4 min
+    .venv/bin/python benchmarks/decoupled_bench.py --json benchmarks/results/decoupled_bench.json
+
+All traffic stays on 127.0.0.1. Each variant's processes run in their own process groups and are killed
+(with their p2pd daemons) at the end; the script checks that none is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from p2p_diloco.config import LearnerConfig, load_learner_config
+from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split
+from p2p_diloco.model import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "127.0.0.1"
+MODEL = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.seq_len=128"]
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller sanity run (H=48, N=2)")
+    p.add_argument("--learners", type=int, default=3, help="M")
+    p.add_argument("--outer-steps", type=int, default=None, help="N (default 3, quick 2)")
+    p.add_argument("--steps-per-outer", type=int, default=None, help="H (default 150, quick 48)")
+    p.add_argument("--fragments", type=int, default=4, help="P for the decoupled variants")
+    p.add_argument("--overlap-steps", type=int, default=None, help="τ (default: from the measured step time)")
+    p.add_argument("--overlap-seconds", type=float, default=5.0, help="target τ · step time when τ is automatic")
+    p.add_argument("--slow-factor", type=float, default=3.0, help="step time of the slow learner / normal")
+    p.add_argument("--config", default=str(ROOT / "peers" / "small-cpu.toml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="extra overrides for every variant (after the model overrides)")
+    p.add_argument("--variants", default="dp,sync,decoupled,decoupled-mixed",
+                   help="comma-separated subset of dp,sync,decoupled,decoupled-mixed")
+    p.add_argument("--variant-timeout", type=float, default=600.0, help="seconds before a variant is killed")
+    p.add_argument("--workdir", default=None, help="logs, checkpoints, summaries (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir (always kept when something failed)")
+    p.add_argument("--json", default=None, help="write all results here")
+    args = p.parse_args(argv)
+    if args.outer_steps is None:
+        args.outer_steps = 2 if args.quick else 3
+    if args.steps_per_outer is None:
+        args.steps_per_outer = 48 if args.quick else 150
+    return args
+
+
+def base_overrides(args: argparse.Namespace) -> list[str]:
+    """Overrides shared by every variant (DP reads the same resolved config)."""
+    m = args.learners
+    return [*MODEL, f"inner.steps_per_outer={args.steps_per_outer}", f"data.num_shards={m}", *args.overrides]
+
+
+def resolve(args: argparse.Namespace, extra: list[str] = ()) -> LearnerConfig:
+    return load_learner_config(args.config, [*base_overrides(args), *extra])
+
+
+# ------------------------------------------------------------------------------------- (a) data parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _params_sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches) -> float:
+    """Same as ``Learner.evaluate``: mean loss over the fixed eval batches, model in eval mode."""
+    model.eval()
+    losses = [float(model(x, y)[1]) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+def _dp_worker(rank: int, world: int, port: int, cfg_data: dict, steps: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                      TP_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    cfg = LearnerConfig.model_validate(cfg_data)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method="env://")
+    try:
+        train = load_split(cfg.data, rank)
+        sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + rank)
+        eval_batches = None
+        if rank == 0:
+            eval_batches = fixed_eval_batches(load_split(cfg.data, None), cfg.model.seq_len, cfg.inner.batch_size,
+                                              cfg.data.eval_batches)
+        model = build_model(cfg.model, cfg.run.seed)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                betas=(cfg.inner.beta1, cfg.inner.beta2))
+        curve = []
+        if rank == 0:
+            curve.append((0, evaluate(model, eval_batches)))
+        compute = comm = evals = 0.0
+        tokens = 0
+        dist.barrier()
+        started = time.perf_counter()
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            model.train()
+            x, y = sampler.next_batch()
+            _, loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            t1 = time.perf_counter()
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= world
+            t2 = time.perf_counter()
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+            if cfg.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+            opt.step()
+            t3 = time.perf_counter()
+            compute += (t1 - t0) + (t3 - t2)
+            comm += t2 - t1
+            tokens += x.numel()
+            if rank == 0 and step % cfg.inner.steps_per_outer == 0:
+                t4 = time.perf_counter()
+                curve.append((step, evaluate(model, eval_batches)))
+                evals += time.perf_counter() - t4
+        dist.barrier()
+        wall = time.perf_counter() - started
+        out = {"rank": rank, "steps": steps, "tokens": tokens, "compute_seconds": compute, "comm_seconds": comm,
+               "eval_seconds": evals, "wall_seconds": wall, "params_sha256": _params_sha(model),
+               "num_params": sum(p.numel() for p in params)}
+        if rank == 0:
+            out["eval_curve"] = curve
+            out["final_eval_loss"] = curve[-1][1] if curve[-1][0] == steps else evaluate(model, eval_batches)
+        Path(out_dir, f"dp-{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_dp(args: argparse.Namespace, work: Path) -> dict:
+    cfg = resolve(args)
+    m, steps = args.learners, args.outer_steps * args.steps_per_outer
+    out_dir = work / "dp"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[dp] {m} gloo workers x {steps} steps", flush=True)
+    t0 = time.perf_counter()
+    mp.spawn(_dp_worker, args=(m, _free_port(), cfg.model_dump(), steps, str(out_dir)), nprocs=m, join=True)
+    total_wall = time.perf_counter() - t0
+    ranks = [json.loads((out_dir / f"dp-{r}.json").read_text()) for r in range(m)]
+    r0 = ranks[0]
+    num_params = r0["num_params"]
+    ring_bytes = 2 * (m - 1) / m * 4 * num_params
+    res = {
+        "variant": "dp",
+        "final_eval_loss": r0["final_eval_loss"],
+        "eval_curve": r0["eval_curve"],
+        "params_identical": len({r["params_sha256"] for r in ranks}) == 1,
+        "steps_per_worker": steps,
+        "total_tokens": sum(r["tokens"] for r in ranks),
+        "wall_seconds": total_wall,
+        "train_seconds": max(r["wall_seconds"] for r in ranks),
+        "step_compute_seconds": statistics.mean(r["compute_seconds"] / steps for r in ranks),
+        "step_comm_seconds": statistics.mean(r["comm_seconds"] / steps for r in ranks),
+        "num_params": num_params,
+        "bytes_per_step_computed": ring_bytes,
+    }
+    print(f"[dp] eval {res['final_eval_loss']:.4f}, {res['train_seconds']:.1f}s, "
+          f"compute {res['step_compute_seconds'] * 1e3:.0f} ms/step, all-reduce {res['step_comm_seconds'] * 1e3:.0f} "
+          f"ms/step, {num_params} params -> {ring_bytes / 1e6:.2f} MB/step (ring, computed)", flush=True)
+    return res
+
+
+# ------------------------------------------------------------------------------------- (b)-(d) real swarm
+
+
+class Proc:
+    """One CLI process in its own session / process group (its p2pd daemon and helpers included)."""
+
+    def __init__(self, name: str, cli_args: list[str], log: Path):
+        self.name, self.log_path = name, log
+        self._log = log.open("wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "p2p_diloco", *cli_args], stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def processes_in_groups(pgids: set[int]) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pgid=,pid=,stat=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    return [" ".join(r) for r in rows if len(r) >= 3 and int(r[0]) in pgids and not r[2].startswith("Z")]
+
+
+def _wait_for(cond, timeout: float, proc: Proc, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited (rc={proc.popen.returncode}) before {what}:\n{proc.text()[-3000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+ROUND_RE = re.compile(r"outer round (committed|not committed \((?P<reason>.*?)\); local progress kept) \| "
+                      r"version (?P<version>\d+) fragment (?P<frag>\d+)/\d+ group (?P<group>\d+) "
+                      r"window (?P<window>[\d.]+)s allreduce (?P<allreduce>[\d.]+)s round (?P<round>[\d.]+)s")
+
+
+def parse_log(text: str) -> dict:
+    """Round statistics from a learner's log lines (group sizes, windows, failure reasons)."""
+    committed_groups, windows, round_s, allreduce_s, failures = [], [], [], [], {}
+    for m in ROUND_RE.finditer(text):
+        if m.group(1) == "committed":
+            committed_groups.append(int(m.group("group")))
+            round_s.append(float(m.group("round")))
+            allreduce_s.append(float(m.group("allreduce")))
+            windows.append(float(m.group("window")))
+        else:
+            reason = re.sub(r"\d+(\.\d+)?", "#", m.group("reason"))[:120]
+            failures[reason] = failures.get(reason, 0) + 1
+    return {
+        "committed_group_sizes": {str(g): committed_groups.count(g) for g in sorted(set(committed_groups))},
+        "round_seconds_median": statistics.median(round_s) if round_s else None,
+        "allreduce_seconds_median": statistics.median(allreduce_s) if allreduce_s else None,
+        "window_seconds_median": statistics.median(windows) if windows else None,
+        "failed_round_reasons": failures,
+        "state_downloads": text.count("synced global state"),
+        "warnings": len(re.findall(r" WARNING ", text)),
+        "errors": len(re.findall(r" (ERROR|CRITICAL) |Traceback", text)),
+    }
+
+
+def run_swarm(args: argparse.Namespace, work: Path, name: str, extra: list[str],
+              per_learner: dict[int, list[str]] | None = None) -> dict:
+    """A bootstrap node and M real learners; returns their summaries plus derived figures."""
+    per_learner = per_learner or {}
+    m = args.learners
+    d = work / name
+    d.mkdir(parents=True, exist_ok=True)
+    sets = [x for o in [*base_overrides(args), *extra, f"network.run_id=bench-{name}"] for x in ("--set", o)]
+    procs: list[Proc] = []
+    print(f"[{name}] bootstrap + {m} learners: {' '.join(extra)} "
+          f"{' '.join(f'learner {i}: {v}' for i, v in per_learner.items())}", flush=True)
+    t0 = time.perf_counter()
+    leftovers: list[str] = []
+    codes: list[int | None] = []
+    timed_out = False
+    try:
+        maddrs = d / "bootstrap.maddrs"
+        boot = Proc("bootstrap", ["bootstrap", "--host-maddrs", f"/ip4/{LOOPBACK}/tcp/0",
+                                  "--identity", str(d / "boot.key"), "--maddrs-file", str(maddrs)], d / "bootstrap.log")
+        procs.append(boot)
+        _wait_for(lambda: maddrs.exists() and maddrs.read_text().strip(), 90, boot, "the bootstrap address")
+        addr = maddrs.read_text().split()[0]
+        learners = []
+        for i in range(m):
+            own = [x for o in per_learner.get(i, []) for x in ("--set", o)]
+            learners.append(Proc(f"learner-{i}", [
+                "learner", "--config", args.config, "--initial-peers", addr,
+                "--host-maddrs", f"/ip4/{LOOPBACK}/tcp/0", "--shard-index", str(i), "--num-shards", str(m),
+                "--max-outer-steps", str(args.outer_steps), "--checkpoint-dir", str(d / f"ckpt-{i}"),
+                "--summary", str(d / f"summary-{i}.json"), *sets, *own,
+            ], d / f"learner-{i}.log"))
+        procs.extend(learners)
+        deadline = time.monotonic() + args.variant_timeout
+        for p in learners:
+            try:
+                codes.append(p.popen.wait(max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                codes.append(None)
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        pgids = {p.popen.pid for p in procs}
+        for p in procs:
+            p.kill_group()
+        time.sleep(0.5)
+        leftovers = processes_in_groups(pgids)
+    summaries, logs = [], []
+    for i in range(m):
+        path = d / f"summary-{i}.json"
+        summaries.append(json.loads(path.read_text()) if path.exists() else None)
+        logs.append(parse_log((d / f"learner-{i}.log").read_text(errors="replace")))
+    res = derive(name, summaries, logs, codes, wall, timed_out, leftovers)
+    res["extra_overrides"] = extra
+    res["per_learner_overrides"] = {str(k): v for k, v in per_learner.items()}
+    ok = res["all_ok"]
+    print(f"[{name}] {'ok' if ok else 'PROBLEM'}: exit codes {codes}, identical global state "
+          f"{res['identical_global_state']}, eval {res.get('eval_loss')}, wall {wall:.0f}s, "
+          f"leftover processes {len(leftovers)}", flush=True)
+    return res
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.mean(xs) if xs else None
+
+
+def derive(name: str, summaries: list[dict | None], logs: list[dict], codes, wall: float, timed_out: bool,
+           leftovers: list[str]) -> dict:
+    have = [s for s in summaries if s is not None]
+    hashes = {s["global_state_sha256"] for s in have}
+    per = []
+    for i, (s, lg) in enumerate(zip(summaries, logs, strict=True)):
+        if s is None:
+            per.append({"learner": i, "summary": None, "log": lg})
+            continue
+        per.append({
+            "learner": i,
+            "shard": s["shard"],
+            "inner_steps": s["inner_steps"],
+            "tokens": s["tokens"],
+            "outer_steps": s["outer_steps"],
+            "rounds_failed": s["rounds_failed"],
+            "syncs": s["syncs"],
+            "version": s["version"],
+            "last_eval_loss": s["last_eval_loss"],
+            "bytes_sent": s["bytes_sent"],
+            "bytes_per_inner_step": s["bytes_sent"] / max(1, s["inner_steps"]),
+            "compute_seconds": s["compute_seconds"],
+            "wait_seconds": s["wait_seconds"],
+            "train_seconds": s["train_seconds"],
+            "step_seconds": s["compute_seconds"] / max(1, s["inner_steps"]),
+            "util_train": s["compute_seconds"] / max(1e-9, s["train_seconds"]),
+            "util_wait": s["compute_seconds"] / max(1e-9, s["compute_seconds"] + s["wait_seconds"]),
+            "steps_per_second": s["inner_steps"] / max(1e-9, s["train_seconds"]),
+            "global_state_sha256": s["global_state_sha256"],
+            "log": lg,
+        })
+    ok_rows = [r for r in per if r.get("inner_steps") is not None]
+    return {
+        "variant": name,
+        "exit_codes": codes,
+        "timed_out": timed_out,
+        "leftover_processes": leftovers,
+        "identical_global_state": len(have) == len(summaries) and len(hashes) == 1,
+        "global_state_sha256": sorted(hashes),
+        "eval_loss": have[0]["last_eval_loss"] if len(hashes) == 1 and have else _mean(
+            [s["last_eval_loss"] for s in have]),
+        "first_eval_loss": have[0]["first_eval_loss"] if have else None,
+        "global_tokens": have[0]["global_tokens"] if have else None,
+        "total_tokens": sum(s["tokens"] for s in have),
+        "wall_seconds": wall,
+        "train_seconds_max": max((s["train_seconds"] for s in have), default=None),
+        "bytes_per_inner_step": _mean([r["bytes_per_inner_step"] for r in ok_rows]),
+        "util_train": _mean([r["util_train"] for r in ok_rows]),
+        "util_wait": _mean([r["util_wait"] for r in ok_rows]),
+        "step_seconds": _mean([r["step_seconds"] for r in ok_rows]),
+        "learners": per,
+        "all_ok": (not timed_out and all(c == 0 for c in codes) and len(have) == len(summaries)
+                   and len(hashes) == 1 and not leftovers),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _f(x, spec: str, none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def report(res: dict) -> str:
+    """Markdown tables of the measured figures and the targets."""
+    v, t = res["variants"], res["targets"]
+    lines = ["| variant | final eval loss | identical global state | total tokens | wall s (train s) "
+             "| bytes sent / learner / inner step | compute / train time | compute / (compute + wait) |",
+             "|---|---|---|---|---|---|---|---|"]
+    if "dp" in v:
+        a = v["dp"]
+        lines.append(f"| (a) data parallel, gloo | {a['final_eval_loss']:.4f} | "
+                     f"{'yes' if a['params_identical'] else 'NO'} (replicas) | {a['total_tokens']:,} | "
+                     f"{a['wall_seconds']:.0f} ({a['train_seconds']:.0f}) | {a['bytes_per_step_computed']:,.0f} "
+                     f"(computed, ring fp32) | – | – |")
+    labels = {"sync": "(b) sync DiLoCo, P=1 τ=0 fp32", "decoupled": "(c) decoupled, P={P} τ={tau} int4",
+              "decoupled-mixed": "(c') decoupled, learner {slow} slowed {k}×"}
+    for key, label in labels.items():
+        if key not in v:
+            continue
+        r = v[key]
+        label = label.format(P=res["settings"]["fragments"], tau=res["settings"]["overlap_steps"],
+                             slow=res["settings"]["learners"] - 1, k=res["settings"]["slow_factor"])
+        lines.append(f"| {label} | {_f(r['eval_loss'], '.4f')} | {'yes' if r['identical_global_state'] else 'NO'} "
+                     f"| {r['total_tokens']:,} | {r['wall_seconds']:.0f} ({_f(r['train_seconds_max'], '.0f')}) | "
+                     f"{_f(r['bytes_per_inner_step'], ',.0f')} (measured) | {_f(r['util_train'], '.1%')} | "
+                     f"{_f(r['util_wait'], '.1%')} |")
+    lines += ["", "| learner | variant | inner steps | steps/s | step ms | committed rounds | failed rounds "
+              "| state downloads | committed group sizes | round s (median) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in ("sync", "decoupled", "decoupled-mixed"):
+        for r in v.get(key, {}).get("learners", []):
+            if r.get("inner_steps") is None:
+                lines.append(f"| {r['learner']} | {key} | (no summary) | | | | | | | |")
+                continue
+            lg = r["log"]
+            groups = ", ".join(f"{g}: {n}" for g, n in lg["committed_group_sizes"].items())
+            lines.append(f"| {r['learner']} | {key} | {r['inner_steps']} | {r['steps_per_second']:.2f} | "
+                         f"{r['step_seconds'] * 1e3:.0f} | {r['outer_steps']} | {r['rounds_failed']} | "
+                         f"{lg['state_downloads']} | {groups or '–'} | {_f(lg['round_seconds_median'], '.2f')} |")
+    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    for row in t:
+        met = "–" if row["met"] is None else "yes" if row["met"] else "**no**"
+        lines.append(f"| {row['target']} | {row['measured']} | {met} |")
+    return "\n".join(lines)
+
+
+def targets(res: dict) -> list[dict]:
+    v, out = res["variants"], []
+    a, c, mixed = v.get("dp"), v.get("decoupled"), v.get("decoupled-mixed")
+    if a and c and c.get("bytes_per_inner_step"):
+        ratio = a["bytes_per_step_computed"] / c["bytes_per_inner_step"]
+        out.append({"target": "bytes per inner step (a)/(c) ≥ 1000×", "measured": f"{ratio:,.0f}×",
+                    "met": ratio >= 1000, "value": ratio})
+    if c and c.get("util_train") is not None:
+        out.append({"target": "(c) compute / train time ≥ 97%", "measured": f"{c['util_train']:.1%}",
+                    "met": c["util_train"] >= 0.97, "value": c["util_train"]})
+        out.append({"target": "(c) compute / (compute + wait) ≥ 97%", "measured": f"{c['util_wait']:.1%}",
+                    "met": c["util_wait"] >= 0.97, "value": c["util_wait"]})
+    if a and c and c.get("eval_loss") is not None:
+        rel = c["eval_loss"] / a["final_eval_loss"] - 1
+        out.append({"target": "(c) eval loss within 2% of (a)", "measured": f"{rel:+.2%}", "met": rel <= 0.02,
+                    "value": rel})
+    if c and mixed:
+        slow = len(mixed["learners"]) - 1
+        base = [r["steps_per_second"] for r in c["learners"][:slow] if r.get("inner_steps") is not None]
+        fast = [r["steps_per_second"] for r in mixed["learners"][:slow] if r.get("inner_steps") is not None]
+        if base and fast and len(base) == len(fast):
+            ratio = statistics.mean(f / b for f, b in zip(fast, base, strict=True))
+            out.append({"target": "fast learners' step rate with a 3× slower learner / without ≥ 0.95",
+                        "measured": f"{ratio:.3f} ({', '.join(f'{f:.2f}' for f in fast)} vs "
+                                    f"{', '.join(f'{b:.2f}' for b in base)} steps/s)",
+                        "met": ratio >= 0.95, "value": ratio})
+        s = mixed["learners"][slow]
+        if s.get("inner_steps") is not None:
+            out.append({"target": "slow learner's tokens reach the global model (committed rounds ≥ 1)",
+                        "measured": f"{s['outer_steps']} committed fragment rounds, {s['inner_steps']} inner steps",
+                        "met": s["outer_steps"] >= 1, "value": s["outer_steps"]})
+    return out
+
+
+def machine() -> dict:
+    import hivemind
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
+            "hivemind": hivemind.__version__, "platform": platform.platform()}
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(wanted) - {"dp", "sync", "decoupled", "decoupled-mixed"}
+    if unknown:
+        print(f"error: unknown variants {sorted(unknown)}", file=sys.stderr)
+        return 2
+    cfg = resolve(args)
+    h, p, m = args.steps_per_outer, args.fragments, args.learners
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="decoupled-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"workdir {work}; M={m} H={h} N={args.outer_steps} P={p}; model {cfg.model.model_dump()}; "
+          f"inner lr {cfg.inner.lr} batch {cfg.inner.batch_size}; matchmaking {cfg.averaging.matchmaking_time}s",
+          flush=True)
+    res: dict = {"started": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
+                 "command": " ".join([Path(sys.executable).name, *sys.argv]), "variants": {}}
+    started = time.perf_counter()
+
+    step_guess = None
+    if "dp" in wanted:
+        res["variants"]["dp"] = run_dp(args, work)
+        step_guess = res["variants"]["dp"]["step_compute_seconds"]
+    tau = args.overlap_steps
+    if tau is None:
+        tau = int(-(-args.overlap_seconds // step_guess)) if step_guess else h // p - 1
+        tau = max(1, min(tau, h // p - 1))
+    res["settings"] = {"learners": m, "outer_steps": args.outer_steps, "steps_per_outer": h, "fragments": p,
+                       "overlap_steps": tau, "slow_factor": args.slow_factor, "config": args.config,
+                       "overrides": base_overrides(args), "model": cfg.model.model_dump(),
+                       "inner": cfg.inner.model_dump(), "outer": cfg.outer.model_dump(),
+                       "averaging": cfg.averaging.model_dump(), "step_seconds_dp": step_guess}
+    print(f"overlap τ = {tau} steps (step time {_f(step_guess, '.3f')} s from dp)", flush=True)
+    decoupled = [f"sync.fragments={p}", f"sync.overlap_steps={tau}", "averaging.compression=int4"]
+    resolve(args, decoupled)  # fail early on an invalid schedule
+
+    if "sync" in wanted:
+        res["variants"]["sync"] = run_swarm(args, work, "sync",
+                                            ["sync.fragments=1", "sync.overlap_steps=0", "averaging.compression=none"])
+    if "decoupled" in wanted or "decoupled-mixed" in wanted:
+        res["variants"]["decoupled"] = run_swarm(args, work, "decoupled", decoupled)
+    if "decoupled-mixed" in wanted:
+        step = res["variants"]["decoupled"]["step_seconds"] or step_guess or 0.1
+        extra_sleep = round((args.slow_factor - 1) * step, 3)
+        res["settings"]["slow_extra_step_seconds"] = extra_sleep
+        res["variants"]["decoupled-mixed"] = run_swarm(
+            args, work, "decoupled-mixed", decoupled, {m - 1: [f"inner.extra_step_seconds={extra_sleep}"]})
+
+    res["total_wall_seconds"] = time.perf_counter() - started
+    res["targets"] = targets(res)
+    table = report(res)
+    res["table_markdown"] = table
+    print("\n" + table, flush=True)
+    print(f"\ntotal wall {res['total_wall_seconds']:.0f}s", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+        print(f"results in {args.json}")
+    failed = [k for k, r in res["variants"].items() if k != "dp" and not r["all_ok"]]
+    if failed or args.keep or args.workdir:
+        print(f"logs kept in {work}" + (f" (problems in {failed})" if failed else ""))
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

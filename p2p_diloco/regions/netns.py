@@ -1,0 +1,272 @@
+"""Network namespaces, bridges, veth links and ``tc`` shaping for a simulated multi-region swarm.
+
+Layout built by :class:`Fabric` for a topology (every box is a network namespace)::
+
+    host ns (one per learner / the bootstrap node)      eth0 = an address of its region's subnet
+        └─veth─ gateway ns of the region: bridge br0 (.2 of the subnet), IP forwarding on
+                    └─ wan0 ══ shaped veth ══ backbone ns: bridge br0 joining every region's gateway
+
+Intra-region traffic stays on the region's bridge, unshaped. Traffic between regions crosses two
+WAN links: the sender region's (``wan0`` egress: its upload) and the receiver region's (the backbone
+end's egress: its download). Each end carries ``tbf`` at the region's rate and, where the kernel has
+``netem``, the region's delay (and on the upload, its loss). Nothing is created in the root
+namespace and no sysctl outside our namespaces is touched.
+
+Crash safety: every namespace name starts with ``p2pdr<supervisor pid>-``. :func:`delete_namespaces`
+kills whatever runs inside a namespace (``ip netns pids``) before deleting it, which also removes
+its veth ends; :func:`cleanup_stale` does this for every run whose supervisor no longer exists,
+and a detached reaper (:mod:`.reaper`) does it for this run if the supervisor is killed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from functools import cache
+
+from p2p_diloco.config import ConfigError
+from p2p_diloco.regions.topology import Region, Topology, rate_bits_per_second
+
+FAMILY = "p2pdr"
+_OURS = re.compile(rf"^{FAMILY}(\d+)-")
+
+
+class NetnsUnavailable(ConfigError):
+    """This machine cannot build namespaces (not root, no iproute2); the CLI prints one line, exit 2."""
+
+
+class NetnsError(ConfigError):
+    """A plumbing command failed; one line with the command and the kernel's answer."""
+
+
+def sh(*args: str, check: bool = True) -> str:
+    """Run one command, return its stdout; raise :class:`NetnsError` with its stderr when it fails."""
+    r = subprocess.run(args, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise NetnsError(f"`{' '.join(args)}` failed: {' '.join((r.stderr or r.stdout).split())}")
+    return r.stdout
+
+
+def run_prefix(pid: int | None = None) -> str:
+    """Prefix of every namespace of the run supervised by ``pid`` (default: this process)."""
+    return f"{FAMILY}{os.getpid() if pid is None else pid}-"
+
+
+def check_available() -> None:
+    """Raise :class:`NetnsUnavailable` unless we are root with ``ip`` and ``tc`` and can add a namespace."""
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("p2p-diloco regions needs root to create network namespaces (try sudo), "
+                               "or use docker compose")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetnsUnavailable(f"p2p-diloco regions needs the `{tool}` command (install iproute2)")
+    probe = f"{run_prefix()}probe"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetnsUnavailable(f"cannot create a network namespace here: {' '.join(r.stderr.split())}")
+    sh("ip", "netns", "del", probe, check=False)
+
+
+@cache
+def netem_supported() -> bool:
+    """Whether this kernel has the ``netem`` qdisc (delay, loss); tried in a scratch namespace."""
+    probe = f"{run_prefix()}netem"
+    sh("ip", "netns", "add", probe)
+    try:
+        sh("ip", "-n", probe, "link", "set", "lo", "up")
+        r = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                           capture_output=True, text=True)
+        return r.returncode == 0
+    finally:
+        sh("ip", "netns", "del", probe, check=False)
+
+
+def list_namespaces() -> list[str]:
+    # Lines look like "name (id: 3)" or just "name".
+    return [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespace_pids(ns: str) -> list[int]:
+    return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).split()]
+
+
+def kill_namespace_processes(namespaces: list[str], grace: float = 10.0) -> None:
+    """SIGTERM every process inside ``namespaces``, SIGKILL those still there after ``grace`` seconds."""
+    pids = {p for ns in namespaces for p in namespace_pids(ns)}
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while pids and time.monotonic() < deadline:
+            pids = {p for p in pids if _alive(p) and not _is_zombie(p)}
+            time.sleep(0.1)
+        if not pids:
+            return
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return True
+
+
+def delete_namespaces(prefix: str, grace: float = 10.0) -> list[str]:
+    """Kill the processes in, then delete, every namespace whose name starts with ``prefix``."""
+    doomed = [ns for ns in list_namespaces() if ns.startswith(prefix)]
+    if doomed:
+        kill_namespace_processes(doomed, grace)
+    for ns in doomed:
+        # Deleting the namespace destroys its interfaces; a veth's peer goes with it.
+        sh("ip", "netns", "del", ns, check=False)
+    return doomed
+
+
+def cleanup_stale(grace: float = 5.0) -> list[str]:
+    """Remove the namespaces (and their processes) of every run whose supervisor is gone."""
+    removed: list[str] = []
+    for pid in sorted({int(m.group(1)) for ns in list_namespaces() if (m := _OURS.match(ns))}):
+        if not _alive(pid):
+            removed += delete_namespaces(run_prefix(pid), grace)
+    return removed
+
+
+def live_runs() -> list[int]:
+    """Supervisor pids of runs that still exist (not stale)."""
+    return sorted({int(m.group(1)) for ns in list_namespaces() if (m := _OURS.match(ns)) and _alive(int(m.group(1)))})
+
+
+@dataclass(frozen=True)
+class Host:
+    """A machine of the simulated swarm: its own namespace and address in its region's subnet."""
+
+    name: str
+    region: str
+    ns: str
+    addr: ipaddress.IPv4Address
+
+
+def _burst_bytes(rate_bps: int) -> int:
+    # At least 10 ms of traffic (tbf needs burst >= rate / HZ) and at least one 64 KiB GSO frame.
+    return max(rate_bps // 8 // 100, 65536)
+
+
+def shape(ns: str, dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float = 0.0,
+          netem: bool = False) -> None:
+    """Egress shaping of ``dev`` in ``ns``: tbf at ``rate``, under a netem (delay/loss) root when available."""
+    bps = rate_bits_per_second(rate)
+    tbf = ["tbf", "rate", f"{bps}bit", "burst", str(_burst_bytes(bps)), "latency", "100ms"]
+    if netem and (delay_ms > 0 or loss_pct > 0):
+        em = ["netem", "limit", "100000"]
+        if delay_ms > 0:
+            em += ["delay", f"{delay_ms:g}ms"]
+        if loss_pct > 0:
+            em += ["loss", f"{loss_pct:g}%"]
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *em)
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
+    else:
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
+
+
+def qdisc_bytes(ns: str, dev: str) -> int:
+    """Bytes sent through the root qdisc of ``dev`` (its egress), 0 if it cannot be read."""
+    try:
+        rows = json.loads(sh("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev) or "[]")
+    except (NetnsError, json.JSONDecodeError):
+        return 0
+    return next((int(q.get("bytes", 0)) for q in rows if q.get("root")), 0)
+
+
+class Fabric:
+    """The namespaces and links of one run; :meth:`teardown` removes all of them (idempotent)."""
+
+    def __init__(self, topo: Topology, prefix: str, netem: bool):
+        self.topo, self.prefix, self.netem = topo, prefix, netem
+        self.backbone_ns = f"{prefix}wan"
+        self.hosts: list[Host] = []
+
+    def gateway_ns(self, region: str) -> str:
+        return f"{self.prefix}gw-{region}"
+
+    def _add_ns(self, ns: str) -> None:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def build(self) -> list[Host]:
+        """Create the backbone, one gateway per region, and one namespace per host; return the hosts."""
+        topo = self.topo
+        self._add_ns(self.backbone_ns)
+        sh("ip", "-n", self.backbone_ns, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.backbone_ns, "link", "set", "br0", "up")
+        for k, region in enumerate(topo.regions):
+            self._add_region(k, region)
+        for region in topo.regions:
+            gw = self.gateway_ns(region.name)
+            for other in topo.regions:
+                if other.name != region.name:
+                    sh("ip", "-n", gw, "route", "add", str(other.subnet), "via", str(topo.backbone_addr(other.name)))
+        boot = topo.region(topo.bootstrap_region)
+        self.hosts = [self._add_host("bootstrap", boot, topo.bootstrap_addr, 0)]
+        for region in topo.regions:
+            for i in range(region.learners):
+                self._add_host(f"{region.name}-{i}", region, region.learner_addr(i), i + 1)
+        return self.hosts
+
+    def _add_region(self, k: int, region: Region) -> None:
+        topo, gw = self.topo, self.gateway_ns(region.name)
+        self._add_ns(gw)
+        sh("ip", "-n", gw, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", gw, "addr", "add", f"{region.gateway}/{region.subnet.prefixlen}", "dev", "br0")
+        sh("ip", "-n", gw, "link", "set", "br0", "up")
+        # The WAN link: wan0 in the gateway, r<k> on the backbone bridge.
+        sh("ip", "-n", gw, "link", "add", "wan0", "type", "veth", "peer", "name", f"r{k}", "netns", self.backbone_ns)
+        sh("ip", "-n", gw, "addr", "add", f"{topo.backbone_addr(region.name)}/{topo.backbone.prefixlen}",
+           "dev", "wan0")
+        sh("ip", "-n", gw, "link", "set", "wan0", "up")
+        sh("ip", "-n", self.backbone_ns, "link", "set", f"r{k}", "master", "br0", "up")
+        # Forwarding inside the gateway namespace only (each namespace has its own copy of the sysctl).
+        sh("ip", "netns", "exec", gw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        shape(gw, "wan0", region.bandwidth, region.delay_ms, region.loss_pct, self.netem)   # upload
+        shape(self.backbone_ns, f"r{k}", region.bandwidth, region.delay_ms, 0.0, self.netem)  # download
+
+    def _add_host(self, name: str, region: Region, addr: ipaddress.IPv4Address, slot: int) -> Host:
+        host = Host(name, region.name, f"{self.prefix}{name}", addr)
+        gw = self.gateway_ns(region.name)
+        self._add_ns(host.ns)
+        sh("ip", "-n", gw, "link", "add", f"h{slot}", "type", "veth", "peer", "name", "eth0", "netns", host.ns)
+        sh("ip", "-n", gw, "link", "set", f"h{slot}", "master", "br0", "up")
+        sh("ip", "-n", host.ns, "addr", "add", f"{addr}/{region.subnet.prefixlen}", "dev", "eth0")
+        sh("ip", "-n", host.ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", host.ns, "route", "add", "default", "via", str(region.gateway))
+        self.hosts.append(host)
+        return host
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes each region's WAN link carried: ``{"eu": {"up": ..., "down": ...}}``."""
+        return {r.name: {"up": qdisc_bytes(self.gateway_ns(r.name), "wan0"),
+                         "down": qdisc_bytes(self.backbone_ns, f"r{k}")}
+                for k, r in enumerate(self.topo.regions)}
+
+    def teardown(self, grace: float = 10.0) -> list[str]:
+        return delete_namespaces(self.prefix, grace)

@@ -35,6 +35,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from p2p_diloco.codecs import decode
+from p2p_diloco.faults import FaultPlan
 
 logger = get_logger(__name__)
 
@@ -60,6 +61,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._my_parts_with_info = list(self.tensor_part_container._input_parts_by_peer[my_index])
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
         self._codec = self.tensor_part_container.compression
+        self.faults: FaultPlan = FaultPlan()  # fault injection (tests): set by the averager
+        self.round = 0  # the version this round produces, for fault matching
         self.bytes_sent = 0
         self.rejected_senders: list[str] = []
         self._open_replies = 0  # reply streams to groupmates that are still being written
@@ -107,6 +110,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             ):
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
                 part_index += 1
+                self.faults.fire("receive", self.round)
             if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
                 raise AllreduceException(
                     f"peer {peer_id} sent {part_index} parts, expected "
@@ -136,6 +140,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super()._generate_input_for_peer(peer_index):
             self.bytes_sent += message.ByteSize()
             yield message
+            self.faults.fire("send", self.round)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Mirrors AllReduceRunner._accumulate_parts_streaming, but replies with the average itself
@@ -174,6 +179,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.bytes_sent += reply.ByteSize()
                 yield reply
+                self.faults.fire("reduce", self.round)
         finally:
             self._open_replies -= 1
             if part_index != self.tensor_part_reducer.num_parts:

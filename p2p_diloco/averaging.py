@@ -34,6 +34,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.faults import FaultPlan
 from p2p_diloco.lifecycle import die_with_parent
 
 logger = get_logger(__name__)
@@ -95,9 +96,12 @@ class OuterGradientAverager(DecentralizedAverager):
         fragments: Sequence[Sequence[int]],
         codecs: Sequence[CompressionBase],
         state_provider: StateProvider | None = None,
+        faults: FaultPlan | None = None,
         **kwargs,
     ):
         self._state_provider = state_provider
+        self._faults = faults or FaultPlan()
+        self._fault_round = 0
         self._fragments = [tuple(f) for f in fragments]
         self._codecs = list(codecs)
         self._round_stats: dict[bytes, dict[str, float]] = {}
@@ -113,6 +117,8 @@ class OuterGradientAverager(DecentralizedAverager):
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
             fragment = _agreed_fragment(gathered, len(self._fragments))
+            mine = gathered.get(self.peer_id)
+            self._fault_round = int(mine.get("version", -1)) + 1 if isinstance(mine, dict) else 0
             modes = tuple(map(AveragingMode, mode_ids))
             download_bandwidths = [
                 thr if mode != AveragingMode.CLIENT else 0.0 for thr, mode in zip(bandwidths, modes, strict=True)
@@ -144,6 +150,7 @@ class OuterGradientAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             **kwargs,
         )
+        runner.faults, runner.round = self._faults, self._fault_round
         self._running_groups[group_id].set_result(runner)
         outputs = await runner.collect()
         for tensor, averaged in zip(tensors, outputs, strict=True):
@@ -179,6 +186,7 @@ class HivemindAveraging:
     fragments: Sequence[Sequence[int]] | None = None
     codecs: Sequence[str] | None = None
     poll_seconds: float = 1.0
+    faults: FaultPlan | None = None
     # Set when the learner is asked to stop: matchmaking in progress is abandoned.
     should_stop: Callable[[], bool] = lambda: False
     _buffers: list[torch.Tensor] = field(init=False)
@@ -201,6 +209,7 @@ class HivemindAveraging:
             fragments=self.fragments,
             codecs=[get_codec(name) for name in names],
             state_provider=self.state_provider,
+            faults=self.faults,
             start=True,
             prefix=self.prefix,
             min_group_size=self.cfg.min_group_size,
@@ -254,7 +263,7 @@ class HivemindAveraging:
                 # group bits and could pair us with learners at other versions: one attempt per round.
                 allow_retries=False,
             )
-            self._watch_for_newer_version(control, fragment, version)
+            self._watch_for_newer_version(control, fragment, version + 1)
             try:
                 result = control.result()
             except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
@@ -274,9 +283,10 @@ class HivemindAveraging:
             bytes_sent=int(stats.get("bytes_sent", 0)),
         )
 
-    def _watch_for_newer_version(self, control, fragment: int, version: int) -> None:
-        """Cancel matchmaking if the swarm is already past ``version``; never once all-reduce began."""
+    def _watch_for_newer_version(self, control, fragment: int, next_version: int) -> None:
+        """Cancel matchmaking if the swarm already reached ``next_version``; never once all-reduce began."""
         self._superseded_by = None
+        version = next_version - 1
         while not control.done():
             try:
                 control.result(timeout=self.poll_seconds)
@@ -286,6 +296,8 @@ class HivemindAveraging:
                 return
             if control.done() or control.began_allreduce:
                 return
+            if self.faults:
+                self.faults.fire("matchmaking", next_version)
             if self.should_stop():
                 control.cancel()
                 return

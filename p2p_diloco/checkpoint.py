@@ -49,6 +49,12 @@ class DirectoryLock:
             self._fd = None
 
 
+def _remove_stale_temporaries(path: Path) -> None:
+    """Half-written checkpoints of a learner that crashed mid-write (we hold the lock now)."""
+    for stale in path.glob(f".{LATEST}.tmp-*"):
+        stale.unlink(missing_ok=True)
+
+
 def claim_checkpoint_dir(explicit: str | None, root: str = "checkpoints") -> tuple[Path, DirectoryLock]:
     """Lock ``explicit``, or the first free ``{root}/learner-N``; error if ``explicit`` is in use."""
     if explicit is not None:
@@ -56,16 +62,22 @@ def claim_checkpoint_dir(explicit: str | None, root: str = "checkpoints") -> tup
         lock = DirectoryLock(path)
         if not lock.try_acquire():
             raise CheckpointError(f"checkpoint dir {path} is in use by another running learner")
+        _remove_stale_temporaries(path)
         return path, lock
     for n in range(10_000):
         path = Path(root) / f"learner-{n}"
         lock = DirectoryLock(path)
         if lock.try_acquire():
+            _remove_stale_temporaries(path)
             return path, lock
     raise CheckpointError(f"no free checkpoint directory under {root}")
 
 
-def save_checkpoint(directory: Path, payload: dict[str, Any]) -> Path:
+def save_checkpoint(directory: Path, payload: dict[str, Any], before_rename=None) -> Path:
+    """Write ``payload`` to a temporary file, fsync it, rename it over ``latest.pt``.
+
+    ``before_rename`` is a hook for fault injection (a crash between writing and renaming).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / LATEST
     tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
@@ -73,6 +85,8 @@ def save_checkpoint(directory: Path, payload: dict[str, Any]) -> Path:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
     os.replace(tmp, final)
     dir_fd = os.open(directory, os.O_RDONLY)
     try:

@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | learner | swarm.
+"""``p2p-diloco``: bootstrap | learner | swarm | regions.
 
 Errors a user can cause are printed as one line (``error: ...``) with exit code 2; no traceback.
 """
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     ln.add_argument("--summary", help="write a JSON summary here at exit")
     ln.add_argument("--seed", type=int, help="model init and sampling seed (same for the whole swarm)")
+    ln.add_argument("--fault", help="fault injection for tests, e.g. 'kill at round 3 during reduce' "
+                                    "(';' separates several; see p2p_diloco/faults.py)")
     ln.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="override any config field, e.g. --set inner.lr=3e-4 (repeatable)")
 
@@ -61,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", default="runs/local-swarm", help="checkpoints, summaries and bootstrap key")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="passed on to every learner")
+
+    r = sub.add_parser("regions", help="a multi-region swarm in network namespaces (root), or its docker-compose.yml")
+    r.add_argument("--topology", default=str(Path("regions") / "topology.toml"),
+                   help="regions, subnets, learners per region, WAN bandwidth/delay/loss")
+    r.add_argument("--workdir", default="runs/regions", help="checkpoints, summaries and bootstrap key")
+    r.add_argument("--max-outer-steps", type=int, help="default: the topology's max_outer_steps")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="passed on to every learner")
+    r.add_argument("--emit-compose", action="store_true", help="print docker-compose.yml for the topology and exit")
+    r.add_argument("--cleanup", action="store_true",
+                   help="remove namespaces and processes left behind by a crashed run, then exit")
     return parser
 
 
@@ -91,7 +104,18 @@ def _configure_logging(level: str) -> None:
 
 def _run_learner(args: argparse.Namespace) -> int:
     cfg = load_learner_config(args.config, _learner_overrides(args))
+    from p2p_diloco.faults import FaultPlan, FaultPlanError
     from p2p_diloco.learner import Learner, write_summary
+
+    try:
+        faults = FaultPlan.parse(args.fault)
+    except FaultPlanError as e:
+        raise ConfigError(str(e)) from None
+    if faults:
+        # Faults act on the learner's process group (hang) and reach its forked children through this.
+        os.environ["P2P_DILOCO_LEARNER_PID"] = str(os.getpid())
+        if any(f.action == "hang" for f in faults.faults) and os.getpgid(0) != os.getpid():
+            os.setpgid(0, 0)
 
     stop = threading.Event()
 
@@ -101,7 +125,7 @@ def _run_learner(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    summary = Learner(cfg, stop).run()
+    summary = Learner(cfg, stop, faults).run()
     if cfg.run.summary:
         write_summary(cfg.run.summary, summary)
     logging.getLogger("p2p_diloco").info(
@@ -133,6 +157,12 @@ def _run_swarm(args: argparse.Namespace) -> int:
     return swarm_main(SwarmOptions(args.learners, args.config, args.max_outer_steps, Path(args.workdir), extra))
 
 
+def _run_regions(args: argparse.Namespace) -> int:
+    from p2p_diloco.regions.command import run_regions_command
+
+    return run_regions_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level)
@@ -144,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         from p2p_diloco.learner import LearnerError
 
         user_errors += (LearnerError,)
-        handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm}[args.command]
+        handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm,
+                   "regions": _run_regions}[args.command]
         return handler(args)
     except user_errors as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

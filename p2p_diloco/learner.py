@@ -46,6 +46,7 @@ from p2p_diloco.averaging import HivemindAveraging
 from p2p_diloco.checkpoint import claim_checkpoint_dir, load_checkpoint, save_checkpoint
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_split, shard_for_peer
+from p2p_diloco.faults import FaultPlan
 from p2p_diloco.fragments import ClockSchedule, Fragment, build_fragments, due_fragments
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.lifecycle import LinkedDHT
@@ -130,8 +131,9 @@ def whole_sha256(states: list[GlobalState]) -> str:
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None):
+    def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None, faults: FaultPlan | None = None):
         self.cfg = cfg
+        self.faults = faults or FaultPlan()
         self.stop = stop or threading.Event()
         self.counters = Counters()
         self.states: list[GlobalState] = []
@@ -226,6 +228,7 @@ class Learner:
             prefix=f"{self.lineage}_outer", state_provider=self._serve_state,
             newest_version=self._newest_live_version, should_stop=self.stop.is_set,
             fragments=self._flat_fragment_indices(), codecs=[cfg.codec_for(f.index) for f in self.fragments],
+            faults=self.faults,
         )
         self.averaging.set_state_priority(self.version)
 
@@ -266,6 +269,7 @@ class Learner:
     def _serve_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         served = self._served  # replaced atomically after each commit; never mutated in place
         assert served is not None
+        self.faults.fire("serve", self.version)
         return served
 
     def _download_newer_state(self) -> bool:
@@ -328,6 +332,7 @@ class Learner:
     # ---- training ------------------------------------------------------------------------
     def _inner_step(self) -> float:
         cfg, c = self.cfg, self.counters
+        self.faults.fire("inner", self.version + 1)
         started = time.perf_counter()
         self.model.train()
         x, y = self.sampler.next_batch()
@@ -493,7 +498,7 @@ class Learner:
             "counters": vars(self.counters).copy(),
             "sampler_cursor": self.sampler.cursor,
         }
-        save_checkpoint(self.ckpt_dir, payload)
+        save_checkpoint(self.ckpt_dir, payload, before_rename=lambda: self.faults.fire("checkpoint", self.version))
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps

@@ -172,9 +172,14 @@ def _burst_bytes(rate_bps: int) -> int:
     return max(rate_bps // 8 // 100, 65536)
 
 
-def shape(ns: str, dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float = 0.0,
-          netem: bool = False) -> None:
-    """Egress shaping of ``dev`` in ``ns``: tbf at ``rate``, under a netem (delay/loss) root when available."""
+def shape_commands(dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float = 0.0,
+                   netem: bool = False) -> list[list[str]]:
+    """``tc`` argument lists that shape the egress of ``dev``: tbf at ``rate``, under netem when asked.
+
+    With netem the recipe is netem (delay, loss) at the root and tbf as its only child: packets are
+    delayed, then leave at the link's rate. The same commands run in the simulator's namespaces
+    and in the Docker gateways (``python -m p2p_diloco.regions.shape``).
+    """
     bps = rate_bits_per_second(rate)
     tbf = ["tbf", "rate", f"{bps}bit", "burst", str(_burst_bytes(bps)), "latency", "100ms"]
     if netem and (delay_ms > 0 or loss_pct > 0):
@@ -183,10 +188,17 @@ def shape(ns: str, dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float =
             em += ["delay", f"{delay_ms:g}ms"]
         if loss_pct > 0:
             em += ["loss", f"{loss_pct:g}%"]
-        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *em)
-        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
-    else:
-        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
+        return [["qdisc", "add", "dev", dev, "root", "handle", "1:", *em],
+                ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf]]
+    return [["qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf]]
+
+
+def shape(ns: str | None, dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float = 0.0,
+          netem: bool = False) -> None:
+    """Shape the egress of ``dev`` in namespace ``ns`` (None: the current one); see :func:`shape_commands`."""
+    where = ["-n", ns] if ns else []
+    for cmd in shape_commands(dev, rate, delay_ms, loss_pct, netem):
+        sh("tc", *where, *cmd)
 
 
 def qdisc_bytes(ns: str, dev: str) -> int:
@@ -226,8 +238,8 @@ class Fabric:
             for other in topo.regions:
                 if other.name != region.name:
                     sh("ip", "-n", gw, "route", "add", str(other.subnet), "via", str(topo.backbone_addr(other.name)))
-        boot = topo.region(topo.bootstrap_region)
-        self.hosts = [self._add_host("bootstrap", boot, topo.bootstrap_addr, 0)]
+        self.hosts = []
+        self._add_host("bootstrap", topo.region(topo.bootstrap_region), topo.bootstrap_addr, 0)
         for region in topo.regions:
             for i in range(region.learners):
                 self._add_host(f"{region.name}-{i}", region, region.learner_addr(i), i + 1)

@@ -20,6 +20,7 @@ FAST = [
     "--set", "averaging.matchmaking_time=2.5",
     "--set", "averaging.request_timeout=1.0",
     "--set", "averaging.round_timeout=10.0",
+    "--set", "averaging.next_chunk_timeout=5.0",
     "--set", "network.record_ttl=8.0",
     "--set", "run.linger_seconds=40.0",
 ]

@@ -1,0 +1,230 @@
+"""``p2p-diloco regions``: the multi-region swarm of a topology file, in network namespaces.
+
+Every learner and the bootstrap node run as real ``p2p-diloco`` processes, each in its own network
+namespace with its own address, as on separate machines: they listen on and announce that address,
+and find each other only through the DHT (the bootstrap node's multiaddr is the one thing they are
+given). Regions talk over shaped WAN links (see :mod:`.netns`).
+
+The supervisor is an asyncio program on uvloop, like ``p2p-diloco swarm``: it prefixes and forwards
+each process's output; on Ctrl+C or SIGTERM it stops every process and removes every namespace.
+If the supervisor itself dies, its children get SIGTERM (PR_SET_PDEATHSIG) and a detached reaper
+(:mod:`.reaper`) removes what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvloop
+
+from p2p_diloco.regions import netns
+from p2p_diloco.regions.netns import Fabric, Host
+from p2p_diloco.regions.topology import Topology
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RegionsOptions:
+    topology: Topology
+    learner_config: Path
+    max_outer_steps: int
+    workdir: Path
+    extra: list[str] = field(default_factory=list)  # ["--set", "inner.lr=1e-3", ...] for every learner
+    startup_timeout: float = 120.0
+    stop_grace: float = 30.0
+
+
+def _die_with_supervisor() -> None:
+    # Runs in the child between fork and exec; `ip netns exec` execs the command without forking,
+    # so the flag reaches the p2p-diloco process itself. SIGTERM: it still leaves cleanly.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _in_ns(host: Host, args: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", host.ns, sys.executable, "-m", "p2p_diloco", *args]
+
+
+async def _pump(name: str, stream: asyncio.StreamReader) -> None:
+    while line := await stream.readline():
+        sys.stdout.write(f"{name:>10} | {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+class Supervisor:
+    """The processes of one run: started in their namespaces, stopped together."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.pumps: list[asyncio.Task] = []
+
+    async def spawn(self, host: Host, args: list[str]) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            *_in_ns(host, args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # Own session: Ctrl+C reaches only the supervisor, which then stops everyone in order.
+            start_new_session=True, preexec_fn=_die_with_supervisor,
+        )
+        self.procs[host.name] = proc
+        self.pumps.append(asyncio.create_task(_pump(host.name, proc.stdout)))
+        return proc
+
+    async def stop_all(self, grace: float) -> None:
+        procs = list(self.procs.values())
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
+        except TimeoutError:
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
+        await asyncio.gather(*self.pumps, return_exceptions=True)
+
+
+async def _wait_for_maddr(path: Path, proc: asyncio.subprocess.Process, timeout: float, stop: asyncio.Event) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()[0]
+        if proc.returncode is not None:
+            raise RuntimeError(f"bootstrap node exited with code {proc.returncode}")
+        await asyncio.sleep(0.2)
+    if stop.is_set():
+        raise asyncio.CancelledError
+    raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
+
+
+def _describe(topo: Topology, netem: bool) -> list[str]:
+    lines = []
+    for r in topo.regions:
+        wan = f"WAN {r.bandwidth} each way"
+        conditions = [f"delay {r.delay_ms:g} ms"] * (r.delay_ms > 0) + [f"loss {r.loss_pct:g} %"] * (r.loss_pct > 0)
+        if conditions:
+            wan += ", " + ", ".join(conditions) + ("" if netem else " (not applied: no netem)")
+        boot = f", bootstrap node at {topo.bootstrap_addr}" if r.name == topo.bootstrap_region else ""
+        lines.append(f"regions: {r.name:<8} {r.subnet}  {r.learners} learners  {wan}{boot}")
+    return lines
+
+
+def _learner_args(opts: RegionsOptions, host: Host, slot: int, bootstrap_addr: str) -> list[str]:
+    topo, work = opts.topology, opts.workdir
+    maddr = f"/ip4/{host.addr}/tcp/{topo.learner_port}"
+    return [
+        "learner", "--config", str(opts.learner_config), "--run-id", topo.run_id,
+        "--initial-peers", bootstrap_addr, "--host-maddrs", maddr, "--announce-maddrs", maddr,
+        "--shard-index", str(topo.shard_index(host.region, slot)), "--num-shards", str(topo.num_shards),
+        "--max-outer-steps", str(opts.max_outer_steps), "--checkpoint-dir", str(work / "checkpoints" / host.name),
+        "--summary", str(work / f"summary-{host.name}.json"), *opts.extra,
+    ]
+
+
+async def run_regions(opts: RegionsOptions) -> int:
+    topo, work = opts.topology, opts.workdir.resolve()
+    opts.workdir = work
+    work.mkdir(parents=True, exist_ok=True)
+    for old in [*work.glob("summary-*.json"), work / "regions-summary.json", work / "bootstrap.maddrs"]:
+        old.unlink(missing_ok=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    stale = netns.cleanup_stale()
+    if stale:
+        print(f"regions: removed {len(stale)} namespaces left by a crashed run", flush=True)
+    netem = netns.netem_supported()
+    if topo.netem_needed and not netem:
+        print("regions: this kernel has no netem qdisc: delay and loss are NOT applied; "
+              "shaping bandwidth only (tbf)", flush=True)
+    for line in _describe(topo, netem):
+        print(line, flush=True)
+
+    prefix = netns.run_prefix()
+    reaper_log = (work / "reaper.log").open("ab")
+    reaper = subprocess.Popen([sys.executable, "-m", "p2p_diloco.regions.reaper", str(os.getpid()), prefix],
+                              stdin=subprocess.DEVNULL, stdout=reaper_log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    fabric, sup = Fabric(topo, prefix, netem), Supervisor()
+    learners: dict[str, asyncio.subprocess.Process] = {}
+    links: dict[str, dict[str, int]] = {}
+    try:
+        hosts = await loop.run_in_executor(None, fabric.build)
+        print(f"regions: {len(hosts)} hosts in namespaces {prefix}*; inter-region traffic via "
+              f"{len(topo.regions)} shaped WAN links", flush=True)
+        boot_host, learner_hosts = hosts[0], hosts[1:]
+        maddrs_file = work / "bootstrap.maddrs"
+        boot_maddr = f"/ip4/{boot_host.addr}/tcp/{topo.bootstrap_port}"
+        boot = await sup.spawn(boot_host, [
+            "bootstrap", "--host-maddrs", boot_maddr, "--announce-maddrs", boot_maddr,
+            "--identity", str(work / "bootstrap.key"), "--maddrs-file", str(maddrs_file),
+        ])
+        bootstrap_addr = await _wait_for_maddr(maddrs_file, boot, opts.startup_timeout, stop)
+        for host in learner_hosts:
+            slot = int(host.name.rsplit("-", 1)[1])
+            learners[host.name] = await sup.spawn(host, _learner_args(opts, host, slot, bootstrap_addr))
+        waiter = asyncio.ensure_future(asyncio.gather(*(p.wait() for p in learners.values())))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if stop.is_set():
+            print("regions: stopping all processes", flush=True)
+    except asyncio.CancelledError:
+        print("regions: stopping all processes", flush=True)
+    finally:
+        await sup.stop_all(opts.stop_grace)
+        links = fabric.link_bytes() if fabric.hosts else {}
+        removed = await loop.run_in_executor(None, fabric.teardown)
+        reaper.terminate()
+        reaper.wait()
+        reaper_log.close()
+        print(f"regions: removed {len(removed)} namespaces; nothing is left running", flush=True)
+
+    return _report(opts, learners, links, netem)
+
+
+def _report(opts: RegionsOptions, learners: dict[str, asyncio.subprocess.Process],
+            links: dict[str, dict[str, int]], netem: bool) -> int:
+    work = opts.workdir
+    rows = []
+    for name in learners:
+        path = work / f"summary-{name}.json"
+        if path.exists():
+            rows.append((name, json.loads(path.read_text())))
+    print("\nregions summary")
+    print(f"{'learner':>8} {'version':>8} {'rounds':>7} {'tokens':>10} {'eval first':>11} {'eval last':>10}  sha256")
+    for name, s in rows:
+        print(f"{name:>8} {s['version']:>8} {s['outer_steps']:>7} {s['tokens']:>10} "
+              f"{s['first_eval_loss']:>11.4f} {s['last_eval_loss']:>10.4f}  {s['global_state_sha256'][:16]}")
+    for region, b in links.items():
+        print(f"WAN link {region}: {b['up'] / 1e6:.2f} MB out of the region, {b['down'] / 1e6:.2f} MB into it")
+    hashes = {s["global_state_sha256"] for _, s in rows}
+    codes = {name: p.returncode for name, p in learners.items()}
+    ok = bool(learners) and len(rows) == len(learners) and len(hashes) == 1 and all(c == 0 for c in codes.values())
+    regions = {name.rsplit("-", 1)[0] for name, _ in rows}
+    if ok:
+        print(f"all {len(rows)} learners in {len(regions)} regions hold the same global state; eval loss "
+              f"{rows[0][1]['first_eval_loss']:.4f} -> {rows[0][1]['last_eval_loss']:.4f}")
+    else:
+        print(f"learners ended with {len(hashes)} distinct global states; exit codes {codes}")
+    (work / "regions-summary.json").write_text(json.dumps({
+        "ok": ok, "netem": netem, "links": links, "exit_codes": codes,
+        "learners": {name: s for name, s in rows},
+    }, indent=2))
+    return 0 if ok else 1
+
+
+def main(opts: RegionsOptions) -> int:
+    return uvloop.run(run_regions(opts))

@@ -1,0 +1,102 @@
+"""A learner dies or freezes at every stage of its life; the others carry on with one lineage.
+
+Each case is one line of the fault plan (p2p_diloco/faults.py) given to learner 2.
+"""
+
+import re
+import signal
+
+import pytest
+
+from .harness import committed_version, processes_in_group, wait_until
+from .test_swarm import _assert_one_lineage
+
+pytestmark = pytest.mark.integration
+
+TARGET = 4
+
+
+def _eval_losses(proc) -> list[float]:
+    return [float(x) for x in re.findall(r"eval_loss (\d+\.\d+)", proc.text())]
+
+
+def _survivors_finish(swarm, learners, victim_index=2):
+    for i, p in enumerate(learners):
+        if i != victim_index:
+            assert p.wait(240) == 0, p.text()
+    summaries = _assert_one_lineage(swarm, [i for i in range(len(learners)) if i != victim_index], TARGET)
+    for i, s in zip([i for i in range(len(learners)) if i != victim_index], summaries, strict=True):
+        losses = _eval_losses(learners[i])
+        assert all(loss == loss and loss < 10 for loss in losses)  # finite
+        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5
+    return summaries
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", ["inner", "matchmaking", "send", "reduce", "receive"])
+def test_learner_killed_at_each_stage(swarm, stage):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(2)]
+    victim = swarm.start_learner(2, max_outer_steps=TARGET, extra=["--fault", f"kill at round 2 during {stage}"])
+    learners.append(victim)
+    assert victim.wait(200) == -signal.SIGKILL, victim.text()
+    assert f"fault injection: kill at round 2 during {stage}" in victim.text()
+    wait_until(lambda: not processes_in_group(victim.pid), 15, None, "the killed learner's children to exit")
+    _survivors_finish(swarm, learners)
+
+
+@pytest.mark.timeout(360)
+def test_killed_while_checkpointing_then_restarted_reintegrates(swarm):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 2) for i in range(2)]
+    victim = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=["--fault", "kill at round 2 during checkpoint"])
+    assert victim.wait(200) == -signal.SIGKILL, victim.text()
+    ckpt = swarm.tmp / "ckpt-2"
+    assert list(ckpt.glob(".latest.pt.tmp-*")), "the crash should have left a half-written temporary file"
+    # It comes back from its last complete checkpoint (version 1), catches up, and trains on.
+    back = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=["--resume"])
+    for p in [*learners, back]:
+        assert p.wait(240) == 0, p.text()
+    assert "resumed from" in back.text() and "synced global state" in back.text()
+    assert not list(ckpt.glob(".latest.pt.tmp-*"))
+    _assert_one_lineage(swarm, range(3), TARGET + 2)
+
+
+@pytest.mark.timeout(360)
+def test_learner_frozen_during_reduce_comes_back(swarm):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 1) for i in range(2)]
+    frozen = swarm.start_learner(2, max_outer_steps=TARGET + 1,
+                                 extra=["--fault", "hang for 20 s at round 2 during reduce"])
+    for p in [*learners, frozen]:
+        assert p.wait(300) == 0, p.text()
+    assert "fault injection: hang" in frozen.text()
+    _assert_one_lineage(swarm, range(3), TARGET + 1)
+
+
+@pytest.mark.timeout(300)
+def test_server_killed_while_a_joiner_downloads(swarm):
+    swarm.start_bootstrap()
+    first = [swarm.start_learner(i, max_outer_steps=TARGET + 2) for i in range(2)]
+    server = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=["--fault", "kill at round 2 during serve"])
+    wait_until(lambda: committed_version(first[0]) >= 2, 150, first[0], "version 2")
+    joiner = swarm.start_learner(3, max_outer_steps=TARGET + 2)
+    for p in [*first, joiner]:
+        assert p.wait(240) == 0, p.text()
+    # Whichever peer served the joiner, it caught up and trained on with the others.
+    assert "synced global state" in joiner.text()
+    _assert_one_lineage(swarm, [0, 1, 3], TARGET + 2)
+    server.kill_group()
+
+
+@pytest.mark.timeout(300)
+def test_bootstrap_loss_does_not_stop_training_and_newcomers_join_through_a_learner(swarm):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 2) for i in range(2)]
+    wait_until(lambda: committed_version(learners[0]) >= 1, 150, learners[0], "version 1")
+    swarm.bootstrap.kill_group()
+    addr = re.search(r"visible at \['([^']+)'", learners[0].text()).group(1)
+    newcomer = swarm.start_learner(2, max_outer_steps=TARGET + 2, peers=addr)
+    for p in [*learners, newcomer]:
+        assert p.wait(240) == 0, p.text()
+    _assert_one_lineage(swarm, range(3), TARGET + 2)

@@ -27,9 +27,13 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
-from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.codecs import get_codec
@@ -160,6 +164,33 @@ class OuterGradientAverager(DecentralizedAverager):
             "bytes_sent": runner.bytes_sent,
         }
 
+    def load_state_from_peer(self, peer: str, timeout: float):
+        """Download the state of one given peer (an MPFuture of (metadata, tensors) or None)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peer", [], dict(peer=peer, timeout=timeout, future=future)))
+        return future
+
+    async def _load_state_from_peer(self, peer: str, timeout: float, future: MPFuture) -> None:
+        # Mirrors the per-peer body of DecentralizedAverager._load_state_from_peers.
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, tensors, parts = None, [], []
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            future.set_result((metadata, tensors) if metadata is not None else None)
+        except Exception as e:  # noqa: BLE001 - any failure: the caller tries another peer
+            logger.debug(f"download from {peer} failed: {e!r}")
+            if not future.done():
+                future.set_result(None)
+
     def get_current_state(self):
         if self._state_provider is None:
             return {}, [], None
@@ -192,6 +223,9 @@ class HivemindAveraging:
     _buffers: list[torch.Tensor] = field(init=False)
     _averager: OuterGradientAverager = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    # hivemind sends every request down one pipe without a lock; the round thread and the training
+    # thread both talk to the averager.
+    _pipe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _superseded_by: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -232,7 +266,8 @@ class HivemindAveraging:
 
     def set_state_priority(self, version: int) -> None:
         """Peers that download state try the highest priority first: the newest version."""
-        self._averager.state_sharing_priority = float(version)
+        with self._pipe_lock:
+            self._averager.state_sharing_priority = float(version)
 
     def average(
         self,
@@ -253,16 +288,17 @@ class HivemindAveraging:
             with self._averager.get_tensors() as buffers:
                 for i, d in zip(indices, deltas, strict=True):
                     buffers[i].copy_(d)
-            self._averager.set_group_bits(group_bits(fragment, version))
             scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
             timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
-            control = self._averager.step(
-                weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
-                scheduled_time=scheduled, wait=False,
-                # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
-                # group bits and could pair us with learners at other versions: one attempt per round.
-                allow_retries=False,
-            )
+            with self._pipe_lock:
+                self._averager.set_group_bits(group_bits(fragment, version))
+                control = self._averager.step(
+                    weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
+                    scheduled_time=scheduled, wait=False,
+                    # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
+                    # group bits and could pair us with learners at other versions: one attempt per round.
+                    allow_retries=False,
+                )
             self._watch_for_newer_version(control, fragment, version + 1)
             try:
                 result = control.result()
@@ -310,7 +346,17 @@ class HivemindAveraging:
 
     def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Newest global state from the peers that serve it (highest version first), or None."""
-        future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
+        with self._pipe_lock:
+            future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
+        return self._await_download(future, timeout)
+
+    def download_state_from(self, peer: str, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """The global state served by one given peer, or None."""
+        with self._pipe_lock:
+            future = self._averager.load_state_from_peer(peer, timeout)
+        return self._await_download(future, timeout)
+
+    def _await_download(self, future, timeout: float):
         try:
             # hivemind's own timeout is per chunk; bound the whole download here.
             loaded = future.result(timeout=timeout * 4)

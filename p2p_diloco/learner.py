@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,7 +53,15 @@ from p2p_diloco.grace import GraceWindow
 from p2p_diloco.lifecycle import LinkedDHT
 from p2p_diloco.merging import token_weight
 from p2p_diloco.model import build_model
-from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, rebase, state_sha256
+from p2p_diloco.outer import (
+    HISTORY_LENGTH,
+    GlobalState,
+    OuterOptimizer,
+    load_into_module,
+    merge_lineages,
+    rebase,
+    state_sha256,
+)
 from p2p_diloco.records import ProgressBoard, ProgressRecord
 from p2p_diloco.round import OuterRound, RoundOutcome
 
@@ -70,6 +79,7 @@ class Counters:
     outer_steps: int = 0  # fragment rounds this learner committed
     rounds_failed: int = 0
     syncs: int = 0
+    merges: int = 0  # sibling lineages (split brain) this learner merged
     bytes_sent: int = 0
     compute_seconds: float = 0.0  # wall time inside inner steps
     wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
@@ -206,6 +216,8 @@ class Learner:
                         momentum=[whole.momentum[i] for i in f.tensor_indices])
             for f in self.fragments
         ]
+        for state in self.states:
+            state.remember()
         p = len(self.fragments)
         self.counters.tokens_since_merge = [0] * p
         self.counters.steps_since_merge = [0] * p
@@ -246,7 +258,8 @@ class Learner:
     def _restore(self, payload: dict[str, Any]) -> None:
         self.states = [
             GlobalState(params=g["params"], momentum=g["momentum"], version=g["version"],
-                        momentum_initialized=g["momentum_initialized"], tokens=g["tokens"])
+                        momentum_initialized=g["momentum_initialized"], tokens=g["tokens"],
+                        history=[(int(v), str(h)) for v, h in g.get("history", [])])
             for g in payload["global"]
         ]
         self.model.load_state_dict(payload["model"])
@@ -262,6 +275,7 @@ class Learner:
             "shas": [s.sha256() for s in self.states],
             "momentum_initialized": [s.momentum_initialized for s in self.states],
             "tokens": [s.tokens for s in self.states],
+            "histories": [[list(h) for h in s.history] for s in self.states],
             "sha256": whole_sha256(self.states),
         }
         self._served = (meta, [t.clone() for s in self.states for t in s.tensors()])
@@ -272,38 +286,50 @@ class Learner:
         self.faults.fire("serve", self.version)
         return served
 
-    def _download_newer_state(self) -> bool:
-        """Adopt newer, hash-verified fragments from peers; rebase local progress onto them."""
-        for attempt in range(3):
+    def _download_newer_state(self, peers: list[str] = ()) -> bool:
+        """Adopt newer or sibling global state from ``peers`` (or any peer); rebase local progress onto it."""
+        attempts = [*peers[:3], None]  # None: any peer, newest version first (hivemind's priority order)
+        for peer in attempts:
             if self.stop.is_set():
                 return False
-            loaded = self.averaging.download_state(timeout=self.cfg.averaging.next_chunk_timeout)
+            timeout = self.cfg.averaging.next_chunk_timeout
+            loaded = (self.averaging.download_state(timeout) if peer is None
+                      else self.averaging.download_state_from(peer, timeout))
             if loaded is None:
-                self.log(f"state download attempt {attempt + 1}: no peer served a state", logging.WARNING)
+                self.log(f"no state from {peer or 'any peer'}", logging.WARNING)
                 continue
-            meta, tensors = loaded
-            fragments, problem = _parse_downloaded(meta, tensors, self.states)
+            theirs, problem = _parse_downloaded(*loaded, self.states)
             if problem:
-                self.log(f"rejected downloaded state: {problem}", logging.WARNING)
+                self.log(f"rejected state from {peer or 'a peer'}: {problem}", logging.WARNING)
                 continue
-            adopted = []
-            for frag, new in zip(self.fragments, fragments, strict=True):
-                old = self.states[frag.index]
-                if new.version <= old.version:
-                    continue
-                rebase(self._local(frag), old.params, new.params)
-                self.counters.missed_versions[frag.index] += new.version - old.version
-                self.states[frag.index] = new
-                adopted.append(frag.index)
-            if not adopted:
-                return False
+            changed = [f.index for f in self.fragments if self._reconcile(f, theirs[f.index])]
+            if not changed:
+                continue
             self.counters.syncs += 1
             self._refresh_served()
             self.averaging.set_state_priority(self.version)
-            self.log(f"synced global state v{self.version} (fragments {adopted}) sha "
+            self.log(f"synced global state v{self.version} (fragments {changed}) sha "
                      f"{whole_sha256(self.states)[:12]} from peers (local progress kept)")
             return True
         return False
+
+    def _reconcile(self, frag: Fragment, theirs: GlobalState) -> bool:
+        """Take a peer's state of one fragment if it is ahead of ours; merge if it is a sibling lineage."""
+        ours = self.states[frag.index]
+        if theirs.sha256() == ours.sha256() or ours.descends_from(theirs.version, theirs.sha256()):
+            return False  # the same, or behind us
+        if theirs.descends_from(ours.version, ours.sha256()):
+            new = theirs  # ahead of us on our own lineage: catch up
+        else:
+            new = merge_lineages(ours, theirs)
+            self.counters.merges += 1
+            self.log(f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a peer's "
+                     f"v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} {new.sha256()[:12]} "
+                     f"weighted by tokens", logging.WARNING)
+        rebase(self._local(frag), ours.params, new.params)
+        self.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
+        self.states[frag.index] = new
+        return True
 
     def _newest_live_version(self, fragment: int = 0) -> int:
         records = self.board.read()
@@ -311,15 +337,26 @@ class Learner:
                     if p != self.peer_id and r.status != "left"), default=0)
 
     def _catch_up(self) -> None:
+        """Before contributing: take newer state from peers, and heal sibling lineages (split brain)."""
         records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
-        live = [r for r in records.values() if r.status != "left"]
-        behind = any(
-            max((r.fragment_version(f.index) for r in live), default=0) > self.states[f.index].version
-            for f in self.fragments
-        )
-        if behind:
-            self.log(f"swarm is ahead of our version {self.version}: downloading")
-            self._download_newer_state()
+        live = {p: r for p, r in records.items() if r.status != "left"}
+        ahead, siblings = [], []
+        for p, r in live.items():
+            for f in self.fragments:
+                mine = self.states[f.index]
+                v, sha = r.fragment_version(f.index), r.fragment_sha(f.index)
+                if v > mine.version:
+                    ahead.append((v, random.random(), p))
+                    break
+                if v == mine.version and sha and sha != mine.sha256():
+                    siblings.append((v, random.random(), p))
+                    break
+        if ahead or siblings:
+            # Newest first; random among equals, so that many joiners spread over the peers that serve.
+            peers = [p for *_, p in sorted(ahead, reverse=True)] + [p for *_, p in sorted(siblings, reverse=True)]
+            reason = "is ahead of" if ahead else "holds a sibling lineage of"
+            self.log(f"the swarm {reason} our version {self.version}: downloading")
+            self._download_newer_state(peers)
             return
         target = self.cfg.run.max_outer_steps
         finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
@@ -477,7 +514,7 @@ class Learner:
         meta = self._serve_state()[0]
         versions = tuple(meta["versions"])
         self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(meta["tokens"]), status,
-                                          versions=versions))
+                                          versions=versions, shas=tuple(meta["shas"])))
 
     def _heartbeat(self) -> None:
         period = self.cfg.network.record_ttl / 3
@@ -490,7 +527,8 @@ class Learner:
             "config": self.cfg.model_dump(),
             "global": [
                 {"params": s.params, "momentum": s.momentum, "version": s.version,
-                 "momentum_initialized": s.momentum_initialized, "tokens": s.tokens}
+                 "momentum_initialized": s.momentum_initialized, "tokens": s.tokens,
+                 "history": [list(h) for h in s.history]}
                 for s in self.states
             ],
             "model": self.model.state_dict(),
@@ -581,6 +619,7 @@ class Learner:
             "outer_steps": c.outer_steps,
             "rounds_failed": c.rounds_failed,
             "syncs": c.syncs,
+            "merges": c.merges,
             "inner_steps": c.inner_steps,
             "tokens": c.tokens,
             "bytes_sent": c.bytes_sent,
@@ -618,7 +657,8 @@ def _parse_downloaded(
     if not isinstance(meta, dict):
         return [], "metadata is not a map"
     p = len(current)
-    for key, typ in (("versions", int), ("shas", str), ("momentum_initialized", bool), ("tokens", int)):
+    for key, typ in (("versions", int), ("shas", str), ("momentum_initialized", bool), ("tokens", int),
+                     ("histories", list)):
         value = meta.get(key)
         if not isinstance(value, list) or len(value) != p or not all(isinstance(v, typ) for v in value):
             return [], f"metadata field {key} missing or malformed"
@@ -638,8 +678,14 @@ def _parse_downloaded(
         version, init = meta["versions"][f], meta["momentum_initialized"][f]
         if state_sha256(chunk, version, init, meta["tokens"][f]) != meta["shas"][f]:
             return [], f"hash of fragment {f} does not match the advertised sha256"
+        history = meta["histories"][f]
+        if not (isinstance(history, list) and len(history) <= 2 * HISTORY_LENGTH and all(
+            isinstance(h, list) and len(h) == 2 and isinstance(h[0], int) and isinstance(h[1], str) for h in history
+        )):
+            return [], f"history of fragment {f} is malformed"
         states.append(GlobalState(params=chunk[:n], momentum=chunk[n:], version=version,
-                                  momentum_initialized=init, tokens=meta["tokens"][f]))
+                                  momentum_initialized=init, tokens=meta["tokens"][f],
+                                  history=[(v, h) for v, h in history]))
     return states, ""
 
 

@@ -22,6 +22,8 @@ import torch
 
 from p2p_diloco.config import OuterConfig
 
+HISTORY_LENGTH = 512
+
 
 @dataclass
 class GlobalState:
@@ -32,6 +34,19 @@ class GlobalState:
     version: int = 0
     momentum_initialized: bool = False
     tokens: int = 0  # tokens merged into this lineage so far, summed over all learners
+    # (version, sha256) of the states this one descends from, newest last: tells a descendant
+    # (catch up) from a sibling lineage (split brain: merge). Not part of the hash.
+    history: list[tuple[int, str]] = field(default_factory=list)
+
+    def remember(self) -> None:
+        """Record the current state in its own history (after every change of Θ)."""
+        entry = (self.version, self.sha256())
+        if not self.history or self.history[-1] != entry:
+            self.history.append(entry)
+            del self.history[:-HISTORY_LENGTH]
+
+    def descends_from(self, version: int, sha: str) -> bool:
+        return (version, sha) in {tuple(h) for h in self.history}
 
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> GlobalState:
@@ -51,6 +66,7 @@ class GlobalState:
             version=self.version,
             momentum_initialized=self.momentum_initialized,
             tokens=self.tokens,
+            history=list(self.history),
         )
 
 
@@ -114,6 +130,7 @@ class OuterOptimizer:
         state.momentum_initialized = True
         state.version += 1
         state.tokens += int(tokens)
+        state.remember()
 
 
 def rebase(local_params: Sequence[torch.Tensor], old_global: Sequence[torch.Tensor], new_global) -> None:
@@ -132,3 +149,29 @@ def load_into_module(module: torch.nn.Module, params: Sequence[torch.Tensor]) ->
     with torch.no_grad():
         for p, g in zip(module.parameters(), params, strict=True):
             p.copy_(g.to(p.device, p.dtype))
+
+
+def merge_lineages(a: GlobalState, b: GlobalState) -> GlobalState:
+    """Heal a split brain: one state from two that advanced the same fragment separately.
+
+    Θ and the momentum are averaged weighted by each lineage's merged tokens, in fp64, with the two
+    inputs ordered by hash, so every learner that merges the same two states gets the same bytes.
+    The result's version is one past the newer input's, so both sides adopt it as a descendant.
+    """
+    first, second = sorted((a, b), key=lambda s: s.sha256())
+    wa, wb = float(max(first.tokens, 1)), float(max(second.tokens, 1))
+    total = wa + wb
+
+    def mix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((x.double() * wa + y.double() * wb) / total).float()
+
+    merged = GlobalState(
+        params=[mix(x, y) for x, y in zip(first.params, second.params, strict=True)],
+        momentum=[mix(x, y) for x, y in zip(first.momentum, second.momentum, strict=True)],
+        version=max(first.version, second.version) + 1,
+        momentum_initialized=first.momentum_initialized or second.momentum_initialized,
+        tokens=max(first.tokens, second.tokens),
+        history=sorted({tuple(h) for h in [*first.history, *second.history]}),
+    )
+    merged.remember()
+    return merged

@@ -30,6 +30,10 @@ class RecordError(ValueError):
     pass
 
 
+def _is_sha(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 @dataclass(frozen=True)
 class ProgressRecord:
     version: int
@@ -38,9 +42,14 @@ class ProgressRecord:
     status: Status = "training"
     wall_time: float = 0.0
     versions: tuple[int, ...] = ()  # per fragment; `version` is their minimum
+    shas: tuple[str, ...] = ()  # per fragment: with the versions, tells sibling lineages apart
 
     def encode(self) -> bytes:
-        return msgpack.packb({**asdict(self), "versions": list(self.versions)}, use_bin_type=True)
+        return msgpack.packb({**asdict(self), "versions": list(self.versions), "shas": list(self.shas)},
+                             use_bin_type=True)
+
+    def fragment_sha(self, fragment: int) -> str:
+        return self.shas[fragment] if fragment < len(self.shas) else ""
 
     def fragment_version(self, fragment: int) -> int:
         return self.versions[fragment] if fragment < len(self.versions) else self.version
@@ -59,7 +68,7 @@ class ProgressRecord:
         status, wall = obj.get("status", "training"), obj.get("wall_time", 0.0)
         if not (isinstance(version, int) and 0 <= version < 2**40):
             raise RecordError(f"bad version {version!r}")
-        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        if not _is_sha(sha):
             raise RecordError("bad sha256")
         if not (isinstance(tokens, int) and tokens >= 0):
             raise RecordError(f"bad tokens {tokens!r}")
@@ -73,8 +82,11 @@ class ProgressRecord:
             and all(isinstance(v, int) and 0 <= v < 2**40 for v in versions)
         ):
             raise RecordError("bad versions")
+        shas = obj.get("shas", [])
+        if not (isinstance(shas, list) and len(shas) == len(versions) and all(_is_sha(h) for h in shas)):
+            raise RecordError("bad shas")
         return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall),
-                   versions=tuple(versions))
+                   versions=tuple(versions), shas=tuple(shas))
 
 
 class ProgressBoard:

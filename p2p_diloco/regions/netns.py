@@ -4,7 +4,7 @@ Layout built by :class:`Fabric` for a topology (every box is a network namespace
 
     host ns (one per learner / the bootstrap node)      eth0 = an address of its region's subnet
         └─veth─ gateway ns of the region: bridge br0 (.2 of the subnet), IP forwarding on
-                    └─ wan0 ══ shaped veth ══ backbone ns: bridge br0 joining every region's gateway
+                    └─ wan0 ══ shaped veth ══ gw-<region> on the backbone ns's bridge br0 (all gateways)
 
 Intra-region traffic stays on the region's bridge, unshaped. Traffic between regions crosses two
 WAN links: the sender region's (``wan0`` egress: its upload) and the receiver region's (the backbone
@@ -221,6 +221,11 @@ class Fabric:
     def gateway_ns(self, region: str) -> str:
         return f"{self.prefix}gw-{region}"
 
+    @staticmethod
+    def backbone_port(region: str) -> str:
+        """The backbone end of a region's WAN link (``ip -n <prefix>wan link set gw-ap down`` cuts ap off)."""
+        return f"gw-{region}"
+
     def _add_ns(self, ns: str) -> None:
         sh("ip", "netns", "add", ns)
         sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -231,8 +236,8 @@ class Fabric:
         self._add_ns(self.backbone_ns)
         sh("ip", "-n", self.backbone_ns, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.backbone_ns, "link", "set", "br0", "up")
-        for k, region in enumerate(topo.regions):
-            self._add_region(k, region)
+        for region in topo.regions:
+            self._add_region(region)
         for region in topo.regions:
             gw = self.gateway_ns(region.name)
             for other in topo.regions:
@@ -245,22 +250,25 @@ class Fabric:
                 self._add_host(f"{region.name}-{i}", region, region.learner_addr(i), i + 1)
         return self.hosts
 
-    def _add_region(self, k: int, region: Region) -> None:
+    def _add_region(self, region: Region) -> None:
         topo, gw = self.topo, self.gateway_ns(region.name)
         self._add_ns(gw)
         sh("ip", "-n", gw, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", gw, "addr", "add", f"{region.gateway}/{region.subnet.prefixlen}", "dev", "br0")
         sh("ip", "-n", gw, "link", "set", "br0", "up")
-        # The WAN link: wan0 in the gateway, r<k> on the backbone bridge.
-        sh("ip", "-n", gw, "link", "add", "wan0", "type", "veth", "peer", "name", f"r{k}", "netns", self.backbone_ns)
+        # The WAN link: wan0 in the gateway, gw-<region> on the backbone bridge. Setting the latter
+        # down partitions the region and keeps the gateway's routes (they go only with wan0 itself).
+        sh("ip", "-n", gw, "link", "add", "wan0", "type", "veth", "peer", "name", self.backbone_port(region.name),
+           "netns", self.backbone_ns)
         sh("ip", "-n", gw, "addr", "add", f"{topo.backbone_addr(region.name)}/{topo.backbone.prefixlen}",
            "dev", "wan0")
         sh("ip", "-n", gw, "link", "set", "wan0", "up")
-        sh("ip", "-n", self.backbone_ns, "link", "set", f"r{k}", "master", "br0", "up")
+        sh("ip", "-n", self.backbone_ns, "link", "set", self.backbone_port(region.name), "master", "br0", "up")
         # Forwarding inside the gateway namespace only (each namespace has its own copy of the sysctl).
         sh("ip", "netns", "exec", gw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         shape(gw, "wan0", region.bandwidth, region.delay_ms, region.loss_pct, self.netem)   # upload
-        shape(self.backbone_ns, f"r{k}", region.bandwidth, region.delay_ms, 0.0, self.netem)  # download
+        shape(self.backbone_ns, self.backbone_port(region.name), region.bandwidth, region.delay_ms, 0.0,
+              self.netem)  # download
 
     def _add_host(self, name: str, region: Region, addr: ipaddress.IPv4Address, slot: int) -> Host:
         host = Host(name, region.name, f"{self.prefix}{name}", addr)
@@ -277,8 +285,8 @@ class Fabric:
     def link_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes each region's WAN link carried: ``{"eu": {"up": ..., "down": ...}}``."""
         return {r.name: {"up": qdisc_bytes(self.gateway_ns(r.name), "wan0"),
-                         "down": qdisc_bytes(self.backbone_ns, f"r{k}")}
-                for k, r in enumerate(self.topo.regions)}
+                         "down": qdisc_bytes(self.backbone_ns, self.backbone_port(r.name))}
+                for r in self.topo.regions}
 
     def teardown(self, grace: float = 10.0) -> list[str]:
         return delete_namespaces(self.prefix, grace)

@@ -106,3 +106,22 @@ def test_apply_rejects_mismatched_shapes():
     with pytest.raises(ValueError):
         OuterOptimizer(OuterConfig()).apply(state, [])
     assert state.version == 0
+
+
+def test_history_tells_descendants_from_siblings_and_merge_is_deterministic():
+    from p2p_diloco.outer import merge_lineages
+
+    base = GlobalState(params=[torch.zeros(4)], momentum=[torch.zeros(4)])
+    base.remember()
+    a, b = base.copy(), base.copy()
+    opt = OuterOptimizer(OuterConfig())
+    opt.apply(a, [torch.full((4,), 0.1)], tokens=100)
+    opt.apply(b, [torch.full((4,), -0.3)], tokens=300)
+    assert a.descends_from(base.version, base.sha256()) and b.descends_from(0, base.sha256())
+    assert not a.descends_from(b.version, b.sha256())  # siblings at the same version
+    m1, m2 = merge_lineages(a, b), merge_lineages(b, a)
+    assert m1.sha256() == m2.sha256()  # both sides of a split compute the same healed state
+    assert m1.version == 2 and m1.descends_from(a.version, a.sha256()) and m1.descends_from(b.version, b.sha256())
+    expected = (a.params[0].double() * 100 + b.params[0].double() * 300) / 400
+    torch.testing.assert_close(m1.params[0], expected.float())
+    assert m1.momentum_initialized

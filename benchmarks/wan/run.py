@@ -1,0 +1,122 @@
+"""WAN benchmark: one outer round's cost when regions are joined by slow links.
+
+Runs ``p2p-diloco regions`` (network namespaces; needs root) on a 2-region, 4-learner topology for
+each WAN bandwidth (and codec) below, and reads every learner's committed-round lines
+(``allreduce 0.42s round 3.15s sent 0.816 MB``). Writes ``benchmarks/results/wan_bench.json`` and
+prints a Markdown table.
+
+    sudo .venv/bin/python benchmarks/wan/run.py            # about 6 minutes on 2 cores
+    sudo .venv/bin/python benchmarks/wan/run.py --quick    # 2 settings
+
+Delay and loss are not part of it: they need the netem qdisc, which the machine that made the
+committed figures does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "wan_bench.json"
+
+FAST = [
+    "--set", "inner.steps_per_outer=20", "--set", "averaging.matchmaking_time=2.5",
+    "--set", "averaging.request_timeout=1.0", "--set", "averaging.round_timeout=10.0",
+    "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=40.0",
+    "--set", "averaging.allreduce_timeout=120.0", "--set", "averaging.next_chunk_timeout=60.0",
+]
+
+TOPOLOGY = """\
+run_id = "wan-bench"
+learner_config = "peers/small-cpu.toml"
+max_outer_steps = {steps}
+num_shards = 4
+bootstrap_region = "north"
+
+[[regions]]
+name = "north"
+subnet = "10.77.1.0/24"
+learners = 2
+bandwidth = "{rate}"
+
+[[regions]]
+name = "south"
+subnet = "10.77.2.0/24"
+learners = 2
+bandwidth = "{rate}"
+"""
+
+ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .*allreduce ([\d.]+)s round ([\d.]+)s "
+                   r"sent ([\d.]+) MB")
+
+SETTINGS = [("1gbit", "none"), ("20mbit", "none"), ("5mbit", "none"), ("5mbit", "int8"), ("1mbit", "none")]
+QUICK = [("1gbit", "none"), ("5mbit", "none")]
+
+
+def run_one(rate: str, codec: str, steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
+        topo = Path(tmp) / "topology.toml"
+        topo.write_text(TOPOLOGY.format(rate=rate, steps=steps))
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "p2p_diloco", "regions", "--topology", str(topo),
+                            "--workdir", str(Path(tmp) / "work"), *FAST, "--set", f"averaging.compression={codec}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+        wall = time.monotonic() - t0
+        summary = json.loads((Path(tmp) / "work" / "regions-summary.json").read_text())
+    rounds = [m.groups() for line in r.stdout.splitlines() if (m := ROUND.match(line))]
+    allreduce = [float(g[2]) for g in rounds]
+    round_s = [float(g[3]) for g in rounds]
+    sent = [float(g[4]) for g in rounds]
+    learners = summary["learners"]
+    return {
+        "bandwidth": rate, "codec": codec, "exit_code": r.returncode, "wall_seconds": round(wall, 1),
+        "committed_rounds": len(rounds), "versions": sorted({s["version"] for s in learners.values()}),
+        "one_state": len({s["global_state_sha256"] for s in learners.values()}) == 1,
+        "allreduce_s_median": round(statistics.median(allreduce), 2) if allreduce else None,
+        "allreduce_s_max": round(max(allreduce), 2) if allreduce else None,
+        "round_s_median": round(statistics.median(round_s), 2) if round_s else None,
+        "sent_mb_per_learner_round": round(statistics.median(sent), 3) if sent else None,
+        "wan_mb_per_region": {k: round(v["up"] / 1e6, 2) for k, v in summary["links"].items()},
+        "eval_loss_last": round(statistics.mean(s["last_eval_loss"] for s in learners.values()), 4),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=4, help="outer steps per run")
+    a = p.parse_args()
+    rows = []
+    for rate, codec in QUICK if a.quick else SETTINGS:
+        row = run_one(rate, codec, a.steps)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()}"
+                   f" cores, kernel {platform.release()}",
+        "setup": "2 regions x 2 learners (peers/small-cpu.toml, 136,960 parameters, H = 20), tbf on both "
+                 "directions of each region's WAN link, no delay/loss (no netem)",
+        "rows": rows,
+    }, indent=2) + "\n")
+    print("\n| WAN link (each way) | codec | all-reduce median / max (s) | round median (s) | sent per learner "
+          "per round (MB) | WAN MB out of a region (whole run) | one state |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        wan = max(r["wan_mb_per_region"].values()) if r["wan_mb_per_region"] else 0
+        print(f"| {r['bandwidth']} | {r['codec']} | {r['allreduce_s_median']} / {r['allreduce_s_max']} | "
+              f"{r['round_s_median']} | {r['sent_mb_per_learner_round']} | {wan} | {'yes' if r['one_state'] else 'NO'} |")
+    return 0 if all(r["exit_code"] == 0 and r["one_state"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

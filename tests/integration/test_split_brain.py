@@ -1,0 +1,41 @@
+"""Two halves of a swarm train apart (separate DHTs), then meet: one lineage again, no loss jump."""
+
+import json
+import re
+
+import pytest
+
+from .harness import committed_version, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(360)
+def test_partitioned_halves_merge_back_into_one_lineage(swarm):
+    # Two bootstrap nodes that do not know each other: a clean partition from the start.
+    side_a = swarm.start_bootstrap()
+    boot_a = swarm.bootstrap
+    maddrs_b = swarm.tmp / "b.maddrs"
+    boot_b = swarm.spawn("bootstrap-b", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                         "--identity", str(swarm.tmp / "b.key"), "--maddrs-file", str(maddrs_b)])
+    wait_until(lambda: maddrs_b.exists() and maddrs_b.read_text().strip(), 90, boot_b, "second bootstrap")
+    side_b = maddrs_b.read_text().split()[0]
+    target = 10
+    a = [swarm.start_learner(i, max_outer_steps=target, peers=side_a) for i in (0, 1)]
+    b = [swarm.start_learner(i, max_outer_steps=target, peers=side_b) for i in (2, 3)]
+    wait_until(lambda: all(committed_version(p) >= 2 for p in [*a, *b]), 200, None, "both sides at version 2")
+    # Heal: a DHT node that knows both sides joins, and the two DHTs become one.
+    bridge = swarm.spawn("bridge", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers",
+                                    side_a, side_b, "--identity", str(swarm.tmp / "bridge.key")])
+    for p in [*a, *b]:
+        assert p.wait(300) == 0, p.text()
+    assert bridge.popen.poll() is None, bridge.text()
+    summaries = [json.loads(swarm.summary_path(i).read_text()) for i in range(4)]
+    assert len({s["global_state_sha256"] for s in summaries}) == 1, summaries
+    assert sum(s["merges"] for s in summaries) >= 1
+    assert any("split brain on fragment 0" in p.text() for p in [*a, *b])
+    # Eval loss after the merge did not jump above where either side was before it.
+    for p in [*a, *b]:
+        losses = [float(x) for x in re.findall(r"outer step done \| version \d+ .*?eval_loss (\d+\.\d+)", p.text())]
+        assert max(losses[2:]) < losses[0] + 0.05, losses
+    boot_a.kill_group()

@@ -19,12 +19,14 @@ if [ "${1:-}" = learner ]; then
     port=${LEARNER_PORT:-41000}
     # The first free slot of the region, locked (fd 9) for as long as this learner runs, so
     # replicas added with --scale get distinct slots and therefore distinct data shards.
+    command -v flock >/dev/null || { echo "entrypoint: flock (util-linux) is missing" >&2; exit 1; }
     mkdir -p "$SLOTS_DIR"
     n=0
     while :; do
         exec 9>"$SLOTS_DIR/slot-$n.lock"
         if flock -n 9; then break; fi
         n=$((n + 1))
+        if [ "$n" -ge 1000 ]; then echo "entrypoint: no free slot in $SLOTS_DIR" >&2; exit 1; fi
     done
     shard=$(( (SHARD_BASE + n % SHARD_STRIDE) % NUM_SHARDS ))
     boot=$(grep -v '/ip4/127\.' "$BOOTSTRAP_MADDRS_FILE" | head -n 1)

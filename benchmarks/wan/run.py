@@ -113,8 +113,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         wan = max(r["wan_mb_per_region"].values()) if r["wan_mb_per_region"] else 0
+        one = "yes" if r["one_state"] else "NO"
         print(f"| {r['bandwidth']} | {r['codec']} | {r['allreduce_s_median']} / {r['allreduce_s_max']} | "
-              f"{r['round_s_median']} | {r['sent_mb_per_learner_round']} | {wan} | {'yes' if r['one_state'] else 'NO'} |")
+              f"{r['round_s_median']} | {r['sent_mb_per_learner_round']} | {wan} | {one} |")
     return 0 if all(r["exit_code"] == 0 and r["one_state"] for r in rows) else 1
 
 

@@ -11,6 +11,7 @@ import ipaddress
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -141,6 +142,7 @@ def _fake_tools(tmp: Path, record: Path) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "IP_LOG": str(tmp / "ip.log")}
 
 
+@pytest.mark.skipif(shutil.which("flock") is None or shutil.which("sh") is None, reason="needs sh and flock")
 def test_entrypoint_adds_address_slot_and_bootstrap_and_the_result_parses(tmp_path, topo, compose):
     service = compose["services"]["learner-us"]
     record, hold = tmp_path / "argv.jsonl", tmp_path / "hold"

@@ -4,6 +4,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
 
     kill at round R during STAGE
     hang for S s at round R during STAGE
+    drop for S s at round R during STAGE
 
 A *round R* is the round that produces global version R of a fragment (the R-th outer step).
 STAGE names where in the learner's life the fault fires:
@@ -21,6 +22,8 @@ serve          while serving its global state to a learner that downloads it (an
 ``kill`` is SIGKILL of the learner process (its DHT, averager and p2pd die with it).
 ``hang`` stops the learner's whole process group with SIGSTOP for S seconds, then resumes it
 (a helper process sends SIGCONT), like a machine that freezes and comes back.
+``drop`` freezes only the learner's p2pd daemon for S seconds: all of its traffic stops while
+the learner itself trains on, like a machine whose network link goes down.
 
 Example, as a test would write it::
 
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 
 STAGES = ("inner", "matchmaking", "send", "reduce", "receive", "checkpoint", "serve")
 _LINE = re.compile(
-    r"^\s*(?P<action>kill|hang)(?:\s+for\s+(?P<seconds>\d+(?:\.\d+)?)\s*s)?\s+at\s+round\s+(?P<round>\d+)"
+    r"^\s*(?P<action>kill|hang|drop)(?:\s+for\s+(?P<seconds>\d+(?:\.\d+)?)\s*s)?\s+at\s+round\s+(?P<round>\d+)"
     r"\s+during\s+(?P<stage>[a-z]+)\s*$"
 )
 
@@ -69,12 +72,14 @@ class FaultPlan:
                 continue
             m = _LINE.match(line)
             if not m:
-                raise FaultPlanError(f"fault {line.strip()!r}: expected 'kill|hang [for S s] at round R during STAGE'")
+                raise FaultPlanError(
+                    f"fault {line.strip()!r}: expected 'kill|hang|drop [for S s] at round R during STAGE'"
+                )
             stage = m["stage"]
             if stage not in STAGES:
                 raise FaultPlanError(f"fault {line.strip()!r}: stage must be one of {', '.join(STAGES)}")
-            if m["action"] == "hang" and not m["seconds"]:
-                raise FaultPlanError(f"fault {line.strip()!r}: hang needs a duration ('hang for 20 s ...')")
+            if m["action"] in ("hang", "drop") and not m["seconds"]:
+                raise FaultPlanError(f"fault {line.strip()!r}: {m['action']} needs a duration ('for 20 s')")
             faults.append(Fault(m["action"], int(m["round"]), stage, float(m["seconds"] or 0)))
         return cls(faults)
 
@@ -97,8 +102,41 @@ def _execute(fault: Fault) -> None:
     if fault.action == "kill":
         os.kill(learner, signal.SIGKILL)
         os._exit(137)  # in a child process whose parent we just killed
+    if fault.action == "drop":
+        daemons = [pid for pid in _descendants(learner) if _comm(pid) == "p2pd"]
+        for pid in daemons:
+            os.kill(pid, signal.SIGSTOP)
+        waker = f"import os, signal, time; time.sleep({fault.seconds}); [os.kill(p, signal.SIGCONT) for p in {daemons}]"
+        subprocess.Popen([sys.executable, "-c", waker], start_new_session=True)
+        return
     group = os.getpgid(learner)
     # Someone outside the group has to wake us up again.
     waker = f"import os, signal, time; time.sleep({fault.seconds}); os.killpg({group}, signal.SIGCONT)"
     subprocess.Popen([sys.executable, "-c", waker], start_new_session=True)
     os.killpg(group, signal.SIGSTOP)
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import uvloop
 
+from p2p_diloco.config import ConfigError
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
 from p2p_diloco.regions.topology import Topology
@@ -93,17 +94,25 @@ class Supervisor:
         await asyncio.gather(*self.pumps, return_exceptions=True)
 
 
+class RegionsError(ConfigError):
+    """The bootstrap node could not start; printed as one line by the CLI (exit code 2)."""
+
+
+class _Stopped(Exception):
+    """Ctrl+C or SIGTERM arrived while the run was still starting."""
+
+
 async def _wait_for_maddr(path: Path, proc: asyncio.subprocess.Process, timeout: float, stop: asyncio.Event) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stop.is_set():
         if path.exists() and path.read_text().strip():
             return path.read_text().split()[0]
         if proc.returncode is not None:
-            raise RuntimeError(f"bootstrap node exited with code {proc.returncode}")
+            raise RegionsError(f"the bootstrap node exited with code {proc.returncode} (its output is above)")
         await asyncio.sleep(0.2)
     if stop.is_set():
-        raise asyncio.CancelledError
-    raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
+        raise _Stopped
+    raise RegionsError(f"the bootstrap node did not publish its address within {timeout:.0f}s")
 
 
 def _describe(topo: Topology, netem: bool) -> list[str]:
@@ -181,7 +190,7 @@ async def run_regions(opts: RegionsOptions) -> int:
         stopper.cancel()
         if stop.is_set():
             print("regions: stopping all processes", flush=True)
-    except asyncio.CancelledError:
+    except _Stopped:
         print("regions: stopping all processes", flush=True)
     finally:
         await sup.stop_all(opts.stop_grace)

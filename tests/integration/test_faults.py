@@ -100,3 +100,14 @@ def test_bootstrap_loss_does_not_stop_training_and_newcomers_join_through_a_lear
     for p in [*learners, newcomer]:
         assert p.wait(240) == 0, p.text()
     _assert_one_lineage(swarm, range(3), TARGET + 2)
+
+
+@pytest.mark.timeout(360)
+def test_network_outage_of_one_learner(swarm):
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 1) for i in range(2)]
+    cut = swarm.start_learner(2, max_outer_steps=TARGET + 1, extra=["--fault", "drop for 15 s at round 2 during inner"])
+    for p in [*learners, cut]:
+        assert p.wait(300) == 0, p.text()
+    assert "fault injection: drop" in cut.text()
+    _assert_one_lineage(swarm, range(3), TARGET + 1)

@@ -29,6 +29,7 @@ import platform
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -207,9 +208,7 @@ def run_hivemind(
 
 
 def _gloo_worker(rank: int, n: int, port: int, shapes, seed: int, rounds: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo"
-    )
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=n, init_method=f"tcp://{LOOPBACK}:{port}")
     try:
@@ -380,6 +379,17 @@ def averaging_cfg(args: argparse.Namespace, n: int) -> AveragingConfig:
     )
 
 
+def _git_revision() -> str:
+    """Commit of the checkout being measured, with "+dirty" when p2p_diloco/ has local changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "p2p_diloco"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else "unknown"
+
+
 def _raise_on_sigterm(signum, frame):  # so the finally blocks below shut hivemind down
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -391,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     import hivemind
 
     daemons: set[tuple[int, int]] = set()  # p2pd daemons our DHTs started, checked at the end
+    revision = _git_revision()
+    print(f"p2p_diloco at {revision}", flush=True)
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f} (1 min) on {os.cpu_count()} CPUs", flush=True)
     shapes = {s: param_shapes(SIZES[s]) for s in args.sizes}
@@ -450,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "p2p_diloco_revision": revision,
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),

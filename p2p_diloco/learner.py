@@ -77,6 +77,7 @@ class Counters:
     inner_steps: int = 0
     tokens: int = 0
     outer_steps: int = 0  # fragment rounds this learner committed
+    steps_merged: float = 0.0  # inner steps whose progress entered the global model (counted per fragment round / P)
     rounds_failed: int = 0
     syncs: int = 0
     merges: int = 0  # sibling lineages (split brain) this learner merged
@@ -462,6 +463,7 @@ class Learner:
                     else:
                         p.copy_(g)
             c.outer_steps += 1
+            c.steps_merged += task.steps / len(self.fragments)
             # Tokens taken during the overlap were not part of this round; they count for the next one.
             c.tokens_since_merge[f] -= task.tokens
             c.steps_since_merge[f] -= task.steps
@@ -559,7 +561,8 @@ class Learner:
         busy = c.compute_seconds / max(1e-9, c.compute_seconds + c.wait_seconds)
         train_loss = sum(losses) / max(1, len(losses))
         self.log(f"outer step done | version {self.version} tokens {c.tokens} train_loss {train_loss:.4f} "
-                 f"eval_loss {eval_loss:.4f} compute {busy:.1%} sent {c.bytes_sent / 1e6:.3f} MB total")
+                 f"eval_loss {eval_loss:.4f} compute {busy:.1%} sent {c.bytes_sent / 1e6:.3f} MB total "
+                 f"global_tokens {min(s.tokens for s in self.states)} steps_merged {c.steps_merged:.0f}")
         self._publish()
         self._checkpoint()
 
@@ -621,6 +624,7 @@ class Learner:
             "syncs": c.syncs,
             "merges": c.merges,
             "inner_steps": c.inner_steps,
+            "steps_merged": c.steps_merged,
             "tokens": c.tokens,
             "bytes_sent": c.bytes_sent,
             "compute_seconds": c.compute_seconds,

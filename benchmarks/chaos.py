@@ -1,0 +1,216 @@
+"""Chaos benchmark: goodput of a swarm whose learners are killed and restarted at random moments.
+
+M real learners (own processes, own p2pd) train for a fixed wall time on loopback while a seeded
+chaos loop SIGKILLs a random live learner's whole process group, with exponentially distributed
+gaps (mean ``--mtbf / M`` for the swarm, i.e. ``--mtbf`` per learner), and restarts it with
+``--resume`` after ``--downtime`` seconds. The same seeded schedule is replayed for each mode:
+
+- ``decoupled``: quorum K = 2, 4 fragments, overlap τ = 2, int4; the survivors keep merging.
+- ``sync``: plain synchronous DiLoCo: every round waits for all M learners (K = M), so a dead
+  learner stalls the others until it is back.
+- ``clean``: ``decoupled`` without failures, for the loss comparison.
+
+Goodput = Σ over learners of (inner steps that reached the global model × that learner's seconds per
+inner step) / (M × wall time): the fraction of learner-seconds whose work was merged. Killed time,
+time blocked waiting for a group and steps lost since the last checkpoint all count as lost.
+
+    python benchmarks/chaos.py --learners 4 --duration 150 --mtbf 60 --seed 0 --json benchmarks/results/chaos.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = str(ROOT / "peers" / "small-cpu.toml")
+COMMON = [
+    "--set", "inner.steps_per_outer=24", "--set", "averaging.matchmaking_time=2.5",
+    "--set", "averaging.request_timeout=1.0", "--set", "averaging.next_chunk_timeout=5.0",
+    "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=0", "--set", "run.log_every=1000",
+]
+MODES = {
+    "decoupled": ["--set", "averaging.min_group_size=2", "--set", "averaging.round_timeout=10.0",
+                  "--set", "sync.fragments=4", "--set", "sync.overlap_steps=2", "--set", "averaging.compression=int4"],
+    "clean": ["--set", "averaging.min_group_size=2", "--set", "averaging.round_timeout=10.0",
+              "--set", "sync.fragments=4", "--set", "sync.overlap_steps=2", "--set", "averaging.compression=int4"],
+}
+
+
+def sync_mode(m: int) -> list[str]:
+    return ["--set", f"averaging.min_group_size={m}", "--set", f"averaging.target_group_size={m}",
+            "--set", "averaging.round_timeout=300.0"]
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log: Path):
+        self.name, self.log = name, log
+        self._f = log.open("ab")
+        self.popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco", *args], stdout=self._f,
+                                      stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+    def terminate(self, grace: float) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self._f.close()
+
+
+def failure_schedule(seed: int, m: int, mtbf: float, duration: float) -> list[tuple[float, int]]:
+    """(time, learner) pairs: when to kill which learner (if it is alive then)."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(m / mtbf)
+        if t >= duration:
+            return out
+        out.append((t, rng.randrange(m)))
+
+
+def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    maddrs = work / "bootstrap.maddrs"
+    boot = Proc("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity",
+                              str(work / "boot.key"), "--maddrs-file", str(maddrs)], work / "bootstrap.log")
+    deadline = time.monotonic() + 90
+    while not (maddrs.exists() and maddrs.read_text().strip()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("bootstrap node did not start")
+        time.sleep(0.2)
+    peers = maddrs.read_text().split()[0]
+    extra = sync_mode(m) if mode == "sync" else MODES[mode]
+
+    def start(i: int) -> Proc:
+        return Proc(f"learner-{i}", [
+            "learner", "--config", SMALL, "--initial-peers", peers, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--shard-index", str(i), "--num-shards", str(m), "--checkpoint-dir", str(work / f"ckpt-{i}"),
+            "--resume", "--summary", str(work / f"summary-{i}.json"), *COMMON, *extra,
+        ], work / f"learner-{i}.log")
+
+    learners = [start(i) for i in range(m)]
+    restarts: list[tuple[float, int]] = []
+    failures = 0
+    t0 = time.monotonic()
+    pending = list(schedule) if mode != "clean" else []
+    try:
+        while (now := time.monotonic() - t0) < duration:
+            while pending and pending[0][0] <= now:
+                _, i = pending.pop(0)
+                if learners[i].alive():
+                    learners[i].kill()
+                    failures += 1
+                    restarts.append((now + downtime, i))
+            for when, i in list(restarts):
+                if when <= now:
+                    restarts.remove((when, i))
+                    learners[i] = start(i)
+            time.sleep(0.2)
+    finally:
+        for p in learners:
+            p.terminate(grace=40)
+        boot.terminate(grace=10)
+    wall = time.monotonic() - t0
+    summaries = []
+    for i in range(m):
+        path = work / f"summary-{i}.json"
+        summaries.append(json.loads(path.read_text()) if path.exists() else None)
+    return evaluate(mode, m, wall, duration, failures, summaries, work)
+
+
+def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
+    useful = 0.0
+    for s in summaries:
+        if s and s["inner_steps"]:
+            useful += s["steps_merged"] * s["compute_seconds"] / s["inner_steps"]
+    valid = [s for s in summaries if s]
+    top = max((s["version"] for s in valid), default=0)
+    lineages = {s["global_state_sha256"] for s in valid if s["version"] == top}
+    losses = [s["last_eval_loss"] for s in valid]
+    reintegrations = sum(len(re.findall(r"synced global state", (work / f"learner-{i}.log").read_text()))
+                         for i in range(m))
+    return {
+        "mode": mode, "learners": m, "wall_seconds": round(wall, 1), "failures": failures,
+        "goodput": useful / (m * duration),
+        "version": top, "lineages_at_top_version": len(lineages),
+        "nan": any(not math.isfinite(x) for x in losses),
+        "final_eval_loss": min(losses) if losses else None,
+        "global_tokens": max((s["global_tokens"] for s in valid), default=0),
+        "reintegrations": reintegrations,
+        "summaries_missing": sum(s is None for s in summaries),
+    }
+
+
+def eval_at_tokens(log: Path, tokens: int) -> float | None:
+    """The clean run's eval loss where its global tokens first reach ``tokens`` (from its log)."""
+    pattern = r"eval_loss (\d+\.\d+) .*?global_tokens (\d+)"
+    for loss, seen in re.findall(pattern, log.read_text()):
+        if int(seen) >= tokens:
+            return float(loss)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=150.0, help="seconds of training per mode")
+    ap.add_argument("--mtbf", type=float, default=60.0, help="mean seconds between failures of one learner")
+    ap.add_argument("--downtime", type=float, default=10.0, help="seconds before a killed learner restarts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="decoupled,sync,clean")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    schedule = failure_schedule(args.seed, args.learners, args.mtbf, args.duration)
+    print(f"failure schedule (seed {args.seed}): {[(round(t, 1), i) for t, i in schedule]}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        for mode in args.modes.split(","):
+            print(f"running {mode} ...", flush=True)
+            r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+        clean = next((r for r in results if r["mode"] == "clean"), None)
+        if clean:
+            for r in results:
+                if r["mode"] != "clean" and r["global_tokens"]:
+                    r["clean_eval_at_same_tokens"] = eval_at_tokens(Path(tmp) / "clean" / "learner-0.log",
+                                                                    r["global_tokens"])
+    print("\n| mode | learners | failures | goodput | version | lineages | NaN | eval loss | clean eval @ same "
+          "tokens | re-integrations |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ce = r.get("clean_eval_at_same_tokens")
+        print(f"| {r['mode']} | {r['learners']} | {r['failures']} | {r['goodput']:.1%} | {r['version']} | "
+              f"{r['lineages_at_top_version']} | {r['nan']} | {r['final_eval_loss']:.4f} | "
+              f"{'-' if ce is None else f'{ce:.4f}'} | {r['reintegrations']} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -230,8 +230,10 @@ class HivemindAveraging:
 
     def __post_init__(self) -> None:
         # hivemind logs "could not find a group" as an error with a traceback; for a learner it is a
-        # normal outcome that OuterRound reports in one line.
-        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+        # normal outcome that OuterRound reports in one line. Other errors still get through.
+        averager_logger = logging.getLogger("hivemind.averaging.averager")
+        if not any(isinstance(f, _NoGroupFilter) for f in averager_logger.filters):
+            averager_logger.addFilter(_NoGroupFilter())
         self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
         if self.fragments is None:
             self.fragments = [tuple(range(len(self._buffers)))]
@@ -374,6 +376,11 @@ class HivemindAveraging:
             self._averager.shutdown()
         except Exception as e:  # noqa: BLE001 - shutdown must not mask the caller's own exit path
             logger.debug(f"averager shutdown: {e!r}")
+
+
+class _NoGroupFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
 
 
 def _agreed_fragment(gathered: dict, num_fragments: int) -> int:

@@ -78,6 +78,8 @@ async def run_swarm(opts: SwarmOptions) -> int:
     work.mkdir(parents=True, exist_ok=True)
     maddrs_file = work / "bootstrap.maddrs"
     maddrs_file.unlink(missing_ok=True)
+    for stale in work.glob("summary-*.json"):  # a previous run's results must not pass for this one's
+        stale.unlink()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

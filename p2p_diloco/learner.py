@@ -513,7 +513,8 @@ class Learner:
         return self._last_outcome is not None and self._last_outcome.superseded
 
     def _publish(self, status: str = "training") -> None:
-        meta = self._serve_state()[0]
+        assert self._served is not None
+        meta = self._served[0]  # not _serve_state(): that is the peers' download path (and its fault hook)
         versions = tuple(meta["versions"])
         self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(meta["tokens"]), status,
                                           versions=versions, shas=tuple(meta["shas"])))

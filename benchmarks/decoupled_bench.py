@@ -25,8 +25,8 @@ rounds are read from the learners' logs.
 
 Usage::
 
-    .venv/bin/python benchmarks/decoupled_bench.py                 # default run, ~10 min on 2 cores
-    .venv/bin/python benchmarks/decoupled_bench.py --quick         # sanity run, ~4 min
+    .venv/bin/python benchmarks/decoupled_bench.py                 # default run, ~8 min on 2 cores
+    .venv/bin/python benchmarks/decoupled_bench.py --quick         # sanity run, ~3 min
     .venv/bin/python benchmarks/decoupled_bench.py --json benchmarks/results/decoupled_bench.json
 
 All traffic stays on 127.0.0.1. Each variant's processes run in their own process groups and are killed

@@ -287,12 +287,12 @@ class Learner:
         self.faults.fire("serve", self.version)
         return served
 
-    def _download_newer_state(self, peers: list[str] = ()) -> bool:
+    def _download_newer_state(self, peers: list[str] = ()) -> list[int]:
         """Adopt newer or sibling global state from ``peers`` (or any peer); rebase local progress onto it."""
         attempts = [*peers[:3], None]  # None: any peer, newest version first (hivemind's priority order)
         for peer in attempts:
             if self.stop.is_set():
-                return False
+                return []
             timeout = self.cfg.averaging.next_chunk_timeout
             loaded = (self.averaging.download_state(timeout) if peer is None
                       else self.averaging.download_state_from(peer, timeout))
@@ -311,8 +311,8 @@ class Learner:
             self.averaging.set_state_priority(self.version)
             self.log(f"synced global state v{self.version} (fragments {changed}) sha "
                      f"{whole_sha256(self.states)[:12]} from peers (local progress kept)")
-            return True
-        return False
+            return changed
+        return []
 
     def _reconcile(self, frag: Fragment, theirs: GlobalState) -> bool:
         """Take a peer's state of one fragment if it is ahead of ours; merge if it is a sibling lineage."""
@@ -337,8 +337,11 @@ class Learner:
         return max((r.fragment_version(fragment) for p, r in records.items()
                     if p != self.peer_id and r.status != "left"), default=0)
 
-    def _catch_up(self) -> None:
-        """Before contributing: take newer state from peers, and heal sibling lineages (split brain)."""
+    def _catch_up(self) -> list[int]:
+        """Before contributing: take newer state from peers, and heal sibling lineages (split brain).
+
+        Returns the fragments that changed.
+        """
         records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
         live = {p: r for p, r in records.items() if r.status != "left"}
         ahead, siblings = [], []
@@ -357,8 +360,7 @@ class Learner:
             peers = [p for *_, p in sorted(ahead, reverse=True)] + [p for *_, p in sorted(siblings, reverse=True)]
             reason = "is ahead of" if ahead else "holds a sibling lineage of"
             self.log(f"the swarm {reason} our version {self.version}: downloading")
-            self._download_newer_state(peers)
-            return
+            return self._download_newer_state(peers)
         target = self.cfg.run.max_outer_steps
         finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
         if finished and self.version < target and not live:
@@ -366,6 +368,7 @@ class Learner:
                 f"the swarm already finished at version {max(finished)} and no running peer serves that "
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
+        return []
 
     # ---- training ------------------------------------------------------------------------
     def _inner_step(self) -> float:
@@ -497,8 +500,14 @@ class Learner:
                              "round is still in flight")
                     continue
                 self._finish_round()  # the overlap budget ran out: wait for the previous round
-            self._catch_up()
+            caught_up = self._catch_up()
             if target is not None and self.states[frag.index].version >= target:
+                continue
+            if frag.index in caught_up and self.cfg.sync.overlap_steps > 0 and self.clock is None:
+                # The swarm just committed this fragment without us: its next round is about H steps
+                # away, and so is our next sync of it. Skipping now puts us back in phase instead of
+                # waiting alone for a group (our progress stays in θ and counts next time).
+                self.log(f"fragment {frag.index}: caught up to the swarm's version; contributing at its next round")
                 continue
             self._start_round(frag)
             if self.cfg.sync.overlap_steps == 0 and self._last_superseded:

@@ -60,7 +60,8 @@ async def _wait_for_file(path: Path, proc: asyncio.subprocess.Process, timeout: 
     raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
 
 
-async def _stop_all(procs: list[asyncio.subprocess.Process], grace: float = 20.0) -> None:
+async def stop_all(procs: list[asyncio.subprocess.Process], grace: float = 20.0) -> None:
+    """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL the rest."""
     for p in procs:
         if p.returncode is None:
             p.send_signal(signal.SIGTERM)
@@ -112,7 +113,7 @@ async def run_swarm(opts: SwarmOptions) -> int:
         if stop.is_set():
             print("swarm: stopping all processes", flush=True)
     finally:
-        await _stop_all(procs)
+        await stop_all(procs)
         await asyncio.gather(*pumps, return_exceptions=True)
 
     return _report(work, opts.learners, [p.returncode for p in procs[1:]])

@@ -27,6 +27,7 @@ from pathlib import Path
 import uvloop
 
 from p2p_diloco.config import ConfigError
+from p2p_diloco.local_swarm import stop_all
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
 from p2p_diloco.regions.topology import Topology
@@ -80,17 +81,7 @@ class Supervisor:
         return proc
 
     async def stop_all(self, grace: float) -> None:
-        procs = list(self.procs.values())
-        for p in procs:
-            if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
-        except TimeoutError:
-            for p in procs:
-                if p.returncode is None:
-                    p.kill()
-            await asyncio.gather(*(p.wait() for p in procs))
+        await stop_all(list(self.procs.values()), grace)
         await asyncio.gather(*self.pumps, return_exceptions=True)
 
 

@@ -119,18 +119,24 @@ async def run_swarm(opts: SwarmOptions) -> int:
     return _report(work, opts.learners, [p.returncode for p in procs[1:]])
 
 
-def _report(work: Path, n: int, codes: list[int | None]) -> int:
-    rows = []
-    for i in range(n):
-        path = work / f"summary-{i}.json"
-        if path.exists():
-            rows.append((i, json.loads(path.read_text())))
-    print("\nswarm summary")
+def read_summaries(paths: dict[object, Path]) -> list[tuple[object, dict]]:
+    """(name, summary) for every learner that wrote its JSON summary."""
+    return [(name, json.loads(path.read_text())) for name, path in paths.items() if path.exists()]
+
+
+def print_summary_table(title: str, rows: list[tuple[object, dict]]) -> set[str]:
+    """One line per learner; returns the distinct global-state hashes."""
+    print(f"\n{title}")
     print(f"{'learner':>8} {'version':>8} {'rounds':>7} {'tokens':>10} {'eval first':>11} {'eval last':>10}  sha256")
-    for i, s in rows:
-        print(f"{i:>8} {s['version']:>8} {s['outer_steps']:>7} {s['tokens']:>10} "
+    for name, s in rows:
+        print(f"{name!s:>8} {s['version']:>8} {s['outer_steps']:>7} {s['tokens']:>10} "
               f"{s['first_eval_loss']:>11.4f} {s['last_eval_loss']:>10.4f}  {s['global_state_sha256'][:16]}")
-    hashes = {s["global_state_sha256"] for _, s in rows}
+    return {s["global_state_sha256"] for _, s in rows}
+
+
+def _report(work: Path, n: int, codes: list[int | None]) -> int:
+    rows = read_summaries({i: work / f"summary-{i}.json" for i in range(n)})
+    hashes = print_summary_table("swarm summary", rows)
     ok = len(rows) == n and len(hashes) == 1 and all(c == 0 for c in codes)
     if ok:
         print(f"all {n} learners hold the same global state; eval loss "

@@ -27,7 +27,7 @@ from pathlib import Path
 import uvloop
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.local_swarm import stop_all
+from p2p_diloco.local_swarm import print_summary_table, read_summaries, stop_all
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
 from p2p_diloco.regions.topology import Topology
@@ -198,19 +198,10 @@ async def run_regions(opts: RegionsOptions) -> int:
 def _report(opts: RegionsOptions, learners: dict[str, asyncio.subprocess.Process],
             links: dict[str, dict[str, int]], netem: bool) -> int:
     work = opts.workdir
-    rows = []
-    for name in learners:
-        path = work / f"summary-{name}.json"
-        if path.exists():
-            rows.append((name, json.loads(path.read_text())))
-    print("\nregions summary")
-    print(f"{'learner':>8} {'version':>8} {'rounds':>7} {'tokens':>10} {'eval first':>11} {'eval last':>10}  sha256")
-    for name, s in rows:
-        print(f"{name:>8} {s['version']:>8} {s['outer_steps']:>7} {s['tokens']:>10} "
-              f"{s['first_eval_loss']:>11.4f} {s['last_eval_loss']:>10.4f}  {s['global_state_sha256'][:16]}")
+    rows = read_summaries({name: work / f"summary-{name}.json" for name in learners})
+    hashes = print_summary_table("regions summary", rows)
     for region, b in links.items():
         print(f"WAN link {region}: {b['up'] / 1e6:.2f} MB out of the region, {b['down'] / 1e6:.2f} MB into it")
-    hashes = {s["global_state_sha256"] for _, s in rows}
     codes = {name: p.returncode for name, p in learners.items()}
     ok = bool(learners) and len(rows) == len(learners) and len(hashes) == 1 and all(c == 0 for c in codes.values())
     regions = {name.rsplit("-", 1)[0] for name, _ in rows}

@@ -56,9 +56,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
+
 from p2p_diloco.config import LearnerConfig, load_learner_config
-from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split
-from p2p_diloco.model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap-steps", type=int, default=None, help="τ (default: from the measured step time)")
     p.add_argument("--overlap-seconds", type=float, default=5.0, help="target τ · step time when τ is automatic")
     p.add_argument("--slow-factor", type=float, default=3.0, help="step time of the slow learner / normal")
+    p.add_argument("--slow-extra-seconds", type=float, default=None,
+                   help="sleep per inner step of the slow learner (default: from the step time measured in (c), "
+                        "which then runs first); set it to run decoupled-mixed alone")
     p.add_argument("--config", default=str(ROOT / "peers" / "small-cpu.toml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra overrides for every variant (after the model overrides)")
@@ -87,8 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="logs, checkpoints, summaries (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir (always kept when something failed)")
     p.add_argument("--json", default=None, help="write all results here")
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="do not train: recompute the targets and tables from a results file of an earlier run")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="do not train: recompute the targets and tables from results files of earlier runs "
+                        "(several files, e.g. variants run side by side, are merged and written to --json)")
     args = p.parse_args(argv)
     if args.outer_steps is None:
         args.outer_steps = 2 if args.quick else 3
@@ -123,14 +128,6 @@ def _params_sha(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches) -> float:
-    """Same as ``Learner.evaluate``: mean loss over the fixed eval batches, model in eval mode."""
-    model.eval()
-    losses = [float(model(x, y)[1]) for x, y in batches]
-    return sum(losses) / len(losses)
-
-
 def _dp_worker(rank: int, world: int, port: int, cfg_data: dict, steps: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       TP_SOCKET_IFNAME="lo")
@@ -138,16 +135,7 @@ def _dp_worker(rank: int, world: int, port: int, cfg_data: dict, steps: int, out
     cfg = LearnerConfig.model_validate(cfg_data)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method="env://")
     try:
-        train = load_split(cfg.data, rank)
-        sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + rank)
-        eval_batches = None
-        if rank == 0:
-            eval_batches = fixed_eval_batches(load_split(cfg.data, None), cfg.model.seq_len, cfg.inner.batch_size,
-                                              cfg.data.eval_batches)
-        model = build_model(cfg.model, cfg.run.seed)
-        params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                                betas=(cfg.inner.beta1, cfg.inner.beta2))
+        sampler, eval_batches, model, params, opt = setup_rank(cfg, rank)
         curve = []
         if rank == 0:
             curve.append((0, evaluate(model, eval_batches)))
@@ -156,29 +144,11 @@ def _dp_worker(rank: int, world: int, port: int, cfg_data: dict, steps: int, out
         dist.barrier()
         started = time.perf_counter()
         for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            model.train()
-            x, y = sampler.next_batch()
-            _, loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            t1 = time.perf_counter()
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= world
-            t2 = time.perf_counter()
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
-            if cfg.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
-            opt.step()
-            t3 = time.perf_counter()
-            compute += (t1 - t0) + (t3 - t2)
-            comm += t2 - t1
-            tokens += x.numel()
+            batch = sampler.next_batch()
+            busy, reduce_s = data_parallel_step(model, params, opt, batch, world, cfg.inner.grad_clip)
+            compute += busy
+            comm += reduce_s
+            tokens += batch[0].numel()
             if rank == 0 and step % cfg.inner.steps_per_outer == 0:
                 t4 = time.perf_counter()
                 curve.append((step, evaluate(model, eval_batches)))
@@ -590,11 +560,22 @@ def machine() -> dict:
 # -------------------------------------------------------------------------------------------------- main
 
 
-def rerender(path: Path) -> int:
-    res = json.loads(path.read_text())
+def rerender(paths: list[Path], out: Path | None = None) -> int:
+    """Recompute targets and tables; several files (variants run side by side) are merged into one."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    res = runs[0]
+    for other in runs[1:]:
+        res["variants"].update(other["variants"])
+        for key, value in other.get("settings", {}).items():
+            res.setdefault("settings", {}).setdefault(key, value)
+            if value is not None and res["settings"][key] is None:
+                res["settings"][key] = value
+        res["total_wall_seconds"] = max(res.get("total_wall_seconds", 0), other.get("total_wall_seconds", 0))
+    if len(runs) > 1:
+        res["merged_from"] = [r.get("command") for r in runs]
     res["targets"] = targets(res)
     res["table_markdown"] = report(res)
-    path.write_text(json.dumps(res, indent=2))
+    (out or paths[0]).write_text(json.dumps(res, indent=2))
     print(res["table_markdown"])
     return 0
 
@@ -602,7 +583,7 @@ def rerender(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        return rerender(Path(args.from_json))
+        return rerender([Path(x) for x in args.from_json], Path(args.json) if args.json else None)
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(wanted) - {"dp", "sync", "decoupled", "decoupled-mixed"}
     if unknown:
@@ -639,11 +620,14 @@ def main(argv: list[str] | None = None) -> int:
     if "sync" in wanted:
         res["variants"]["sync"] = run_swarm(args, work, "sync",
                                             ["sync.fragments=1", "sync.overlap_steps=0", "averaging.compression=none"])
-    if "decoupled" in wanted or "decoupled-mixed" in wanted:
+    if "decoupled" in wanted or ("decoupled-mixed" in wanted and args.slow_extra_seconds is None):
         res["variants"]["decoupled"] = run_swarm(args, work, "decoupled", decoupled)
     if "decoupled-mixed" in wanted:
-        step = res["variants"]["decoupled"]["step_seconds"] or step_guess or 0.1
-        extra_sleep = round((args.slow_factor - 1) * step, 3)
+        if args.slow_extra_seconds is not None:
+            extra_sleep = args.slow_extra_seconds
+        else:
+            step = res["variants"]["decoupled"]["step_seconds"] or step_guess or 0.1
+            extra_sleep = round((args.slow_factor - 1) * step, 3)
         res["settings"]["slow_extra_step_seconds"] = extra_sleep
         res["variants"]["decoupled-mixed"] = run_swarm(
             args, work, "decoupled-mixed", decoupled, {m - 1: [f"inner.extra_step_seconds={extra_sleep}"]})

@@ -147,6 +147,9 @@ class NetworkConfig(_Section):
 class RunConfig(_Section):
     seed: int = 0
     max_outer_steps: int | None = Field(None, ge=1, description="stop once the global version reaches this")
+    stop_at_eval_loss: float | None = Field(
+        None, gt=0.0, description="stop once the global model's eval loss, measured after each outer step, is at or "
+                                  "below this")
     checkpoint_dir: str | None = None
     resume: bool = False
     summary: str | None = None

@@ -149,6 +149,7 @@ class Learner:
         self.counters = Counters()
         self.states: list[GlobalState] = []
         self.inflight: InFlight | None = None
+        self._target_loss_reached = False
         self._last_outcome: RoundOutcome | None = None
         self.short_id = "------"
         self._served: tuple[dict[str, Any], list[torch.Tensor]] | None = None
@@ -552,7 +553,7 @@ class Learner:
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps
-        return target is not None and self.version >= target
+        return self._target_loss_reached or (target is not None and self.version >= target)
 
     def _linger(self) -> None:
         """Serve the final state while learners still training are behind us (bounded)."""
@@ -573,6 +574,12 @@ class Learner:
         self.log(f"outer step done | version {self.version} tokens {c.tokens} train_loss {train_loss:.4f} "
                  f"eval_loss {eval_loss:.4f} compute {busy:.1%} sent {c.bytes_sent / 1e6:.3f} MB total "
                  f"global_tokens {min(s.tokens for s in self.states)} steps_merged {c.steps_merged:.0f}")
+        target = self.cfg.run.stop_at_eval_loss
+        if target is not None:
+            global_loss = self.evaluate(self.global_params())
+            self._target_loss_reached = global_loss <= target
+            self.log(f"global model eval_loss {global_loss:.4f} at version {self.version} (target {target:g}"
+                     f"{': reached' if self._target_loss_reached else ''})")
         self._publish()
         self._checkpoint()
 

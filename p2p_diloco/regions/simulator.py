@@ -27,7 +27,7 @@ from pathlib import Path
 import uvloop
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.local_swarm import print_summary_table, read_summaries, stop_all
+from p2p_diloco.local_swarm import lineage_verdict, print_summary_table, read_summaries, stop_all
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
 from p2p_diloco.regions.topology import Topology
@@ -199,17 +199,17 @@ def _report(opts: RegionsOptions, learners: dict[str, asyncio.subprocess.Process
             links: dict[str, dict[str, int]], netem: bool) -> int:
     work = opts.workdir
     rows = read_summaries({name: work / f"summary-{name}.json" for name in learners})
-    hashes = print_summary_table("regions summary", rows)
+    by_version = print_summary_table("regions summary", rows)
     for region, b in links.items():
         print(f"WAN link {region}: {b['up'] / 1e6:.2f} MB out of the region, {b['down'] / 1e6:.2f} MB into it")
     codes = {name: p.returncode for name, p in learners.items()}
-    ok = bool(learners) and len(rows) == len(learners) and len(hashes) == 1 and all(c == 0 for c in codes.values())
     regions = {name.rsplit("-", 1)[0] for name, _ in rows}
+    consistent, verdict = lineage_verdict(by_version, f"{len(rows)} learners in {len(regions)} regions")
+    ok = bool(learners) and len(rows) == len(learners) and consistent and all(c == 0 for c in codes.values())
     if ok:
-        print(f"all {len(rows)} learners in {len(regions)} regions hold the same global state; eval loss "
-              f"{rows[0][1]['first_eval_loss']:.4f} -> {rows[0][1]['last_eval_loss']:.4f}")
+        print(f"{verdict}; eval loss {rows[0][1]['first_eval_loss']:.4f} -> {rows[0][1]['last_eval_loss']:.4f}")
     else:
-        print(f"learners ended with {len(hashes)} distinct global states; exit codes {codes}")
+        print(f"{verdict}; exit codes {codes}")
     (work / "regions-summary.json").write_text(json.dumps({
         "ok": ok, "netem": netem, "links": links, "exit_codes": codes,
         "learners": {name: s for name, s in rows},

@@ -92,3 +92,19 @@ def test_bootstrap_identity_survives_restart(swarm):
     assert swarm.bootstrap.wait(30) == 0
     second = swarm.start_bootstrap()
     assert first.split("/p2p/")[1] == second.split("/p2p/")[1]
+
+
+@pytest.mark.timeout(300)
+def test_learners_stop_at_a_target_eval_loss(swarm):
+    swarm.start_bootstrap()
+    target = 3.6
+    learners = [swarm.start_learner(i, max_outer_steps=40, extra=["--set", f"run.stop_at_eval_loss={target}"])
+                for i in range(2)]
+    for p in learners:
+        assert p.wait(240) == 0, p.text()
+    summaries = [swarm.summary(i) for i in range(2)]
+    for p, s in zip(learners, summaries, strict=True):
+        assert s["version"] < 40, "stopped by max_outer_steps, not by the target loss"
+        assert s["last_eval_loss"] <= target
+        reached = re.findall(r"global model eval_loss ([\d.]+) at version (\d+) \(target [\d.]+: reached\)", p.text())
+        assert reached and float(reached[-1][0]) <= target, p.text()

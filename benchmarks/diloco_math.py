@@ -1,0 +1,129 @@
+"""DiLoCo's arithmetic alone, without any networking: how far from per-step data parallel it lands.
+
+All workers live in one process and run one after another, so nothing here depends on hivemind,
+timing or group formation; what differs from data parallel is only the algorithm. Same model, data
+shards, seeds and inner hyperparameters as the learners (``peers/small-cpu.toml``), equal tokens:
+
+- ``dp``: M workers' gradients averaged every step (one AdamW step on M batches);
+- ``single``: one worker, one batch per step (what a learner that never merges would do);
+- ``diloco H lr mu``: M workers, H AdamW steps each, then the mean of their outer gradients goes
+  through the project's own :class:`~p2p_diloco.outer.OuterOptimizer` (Nesterov), every worker restarts
+  from the new Θ (keeping its AdamW state), as in plain synchronous DiLoCo with no failures.
+
+    .venv/bin/python benchmarks/diloco_math.py --steps 600 --json benchmarks/results/diloco_math.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from p2p_diloco.config import load_learner_config  # noqa: E402
+from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split  # noqa: E402
+from p2p_diloco.model import build_model  # noqa: E402
+from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
+
+
+def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
+    torch.set_num_threads(1)
+    kind, h, lr, mu = variant
+    cfg = load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}"])
+    evals = fixed_eval_batches(load_split(cfg.data, None), cfg.model.seq_len, cfg.inner.batch_size,
+                               cfg.data.eval_batches)
+
+    @torch.no_grad()
+    def evaluate(model):
+        model.eval()
+        return sum(float(model(x, y)[1]) for x, y in evals) / len(evals)
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                 betas=(cfg.inner.beta1, cfg.inner.beta2))
+
+    def step(model, opt, batches):
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        for x, y in batches:
+            (model(x, y)[1] / len(batches)).backward()
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg.inner.grad_clip)
+        opt.step()
+
+    samplers = [BatchSampler(load_split(cfg.data, i), cfg.model.seq_len, cfg.inner.batch_size,
+                             seed=cfg.run.seed * 7919 + i) for i in range(m)]
+    base = build_model(cfg.model, cfg.run.seed)
+    curve = [(0, evaluate(base))]
+    if kind in ("dp", "single"):
+        model, opt = base, adamw(base)
+        used = samplers if kind == "dp" else samplers[:1]
+        for s in range(1, steps + 1):
+            step(model, opt, [sm.next_batch() for sm in used])
+            if s % every == 0:
+                curve.append((s, evaluate(model)))
+    else:
+        state, outer = GlobalState.from_module(base), OuterOptimizer(cfg.outer)
+        workers = [copy.deepcopy(base) for _ in range(m)]
+        opts = [adamw(w) for w in workers]
+        for s in range(1, steps + 1):
+            for w, opt, sm in zip(workers, opts, samplers, strict=True):
+                step(w, opt, [sm.next_batch()])
+            if s % h == 0:
+                deltas = [pseudo_gradient(state.params, list(w.parameters())) for w in workers]
+                outer.apply(state, weighted_mean(deltas, [1.0] * m))
+                for w in workers:
+                    load_into_module(w, state.params)
+            if s % every == 0:
+                load_into_module(base, state.params)
+                curve.append((s, evaluate(base)))
+    name = kind if kind != "diloco" else f"diloco H={h} lr={lr} mu={mu}"
+    return {"variant": name, "curve": curve}
+
+
+def steps_to(curve, loss):
+    return next((s for s, v in curve if v <= loss), None)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--learners", type=int, default=4, help="M")
+    p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
+    p.add_argument("--h", default="50,25", help="comma-separated H values")
+    p.add_argument("--outer", default="0.7:0.9,0.7:0.6,1.0:0.0", help="comma-separated outer lr:momentum pairs")
+    p.add_argument("--every", type=int, default=50, help="eval every this many steps (a multiple of each H)")
+    p.add_argument("--config", default=str(ROOT / "peers" / "small-cpu.toml"))
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    variants = [("dp", 0, 0.7, 0.9), ("single", 0, 0.7, 0.9)]
+    variants += [("diloco", int(h), float(o.split(":")[0]), float(o.split(":")[1]))
+                 for h in a.h.split(",") for o in a.outer.split(",")]
+    with ProcessPoolExecutor(a.jobs) as pool:
+        n = len(variants)
+        results = list(pool.map(run, variants, [a.learners] * n, [a.steps] * n, [a.every] * n, [a.config] * n))
+    dp = results[0]["curve"]
+    half = dp[len(dp) // 2]
+    print(f"M = {a.learners}, {a.steps} inner steps per worker, equal tokens; eval every {a.every} steps\n")
+    print(f"| variant | eval at {a.steps // 2} | final eval | vs dp | steps to dp's loss at step {half[0]} "
+          f"({half[1]:.3f}) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        c = r["curve"]
+        mid = dict(c).get(a.steps // 2)
+        print(f"| {r['variant']} | {mid:.4f} | {c[-1][1]:.4f} | {c[-1][1] / dp[-1][1] - 1:+.1%} | "
+              f"{steps_to(c, half[1]) or f'> {a.steps}'} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"learners": a.learners, "steps": a.steps, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""WAN benchmark: time to a target eval loss, per-step data parallel vs our learners, over shaped links.
+
+Two regions of two hosts each, joined by WAN links shaped with tbf (both directions, per region),
+built with the same network namespaces as ``p2p-diloco regions`` (needs root). The same model
+(byte-level GPT, 5.07M parameters: a 20.3 MB fp32 gradient per data-parallel step), the same data
+shards and the same inner hyperparameters on both sides:
+
+- **data parallel**: 4 gloo ranks (``benchmarks/wan/dp_worker.py``), one per host, every step's
+  gradients all-reduced across the shaped links.
+- **learners**: 4 ``p2p-diloco learner`` processes started by ``p2p-diloco regions`` (bootstrap node,
+  DHT, butterfly all-reduce through the same links) with ``run.stop_at_eval_loss``: H = 50, P = 2
+  fragments, τ = 20 overlap steps with the ``mix`` policy (progress made during the overlap is kept,
+  not overwritten: τ is 40 % of a fragment's period here), int4 outer gradients, quorum 2, and the
+  wall-clock schedule (slots shared by all learners; each fragment's round every
+  ``period_seconds(rate)``: 20 s, ≈ H steps, or more on a link so slow that a round would not end
+  before the next fragment's slot).
+  With the steps schedule, the two learners of one region started a few seconds after the other two,
+  missed the first group, and then spent their time downloading the state (≈ 40 MB over the WAN
+  link, ≈ 10 s each) instead of contributing; they never got back in phase.
+
+How each time to target is obtained:
+
+- learners: **measured end to end**, from launching the swarm (start-up included) to the first log
+  line where a learner's *global* model (its Θ, not its local weights) evaluates at or below the
+  target; the start-up part (until the first learner evaluates its initial model) is reported too;
+- data parallel: the arithmetic of per-step DP makes its loss curve independent of the link, so the
+  script measures (1) the number of steps to reach the target in a reference run on loopback and
+  (2) the median step time over the shaped links in a short run (``--dp-steps`` steps) with the same
+  seeds, checks that the two runs' losses agree at the steps both evaluated, and reports
+  steps × step time. It does not run data parallel to the target over a slow link (hours at 10 Mbit/s).
+
+Bytes crossing region links are measured from the WAN links' qdisc counters (whole run for the
+learners; per DP step, times the steps to target, for data parallel). Compute utilization is
+compute time / (compute + all-reduce) for DP, and compute_seconds / train_seconds from the learners'
+summaries.
+
+    sudo .venv/bin/python benchmarks/wan/dp_vs_learners.py                     # 50, 10, 2 mbit
+    sudo .venv/bin/python benchmarks/wan/dp_vs_learners.py --rates 20mbit --target-loss 2.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from p2p_diloco.regions import netns  # noqa: E402
+from p2p_diloco.regions.netns import Fabric, Host  # noqa: E402
+from p2p_diloco.regions.topology import Topology, rate_bits_per_second  # noqa: E402
+
+CONFIG = ROOT / "peers" / "small-cpu.toml"
+RESULTS = ROOT / "benchmarks" / "results" / "wan_dp_vs_learners.json"
+MODEL = ["model.n_layer=2", "model.n_embd=448", "model.n_head=4", "model.seq_len=32", "inner.batch_size=8",
+         "data.num_shards=4"]
+LEARNERS = [
+    "inner.steps_per_outer=50", "sync.fragments=2", "sync.overlap_steps=20", "sync.apply_policy=mix",
+    "sync.schedule=clock",
+    "averaging.compression=int4",
+    "averaging.min_group_size=2", "averaging.target_group_size=4", "averaging.matchmaking_time=2.5",
+    "averaging.request_timeout=1.0", "averaging.round_timeout=30.0", "averaging.allreduce_timeout=120.0",
+    "averaging.next_chunk_timeout=60.0", "network.record_ttl=8.0", "run.linger_seconds=20.0", "run.log_every=50",
+]
+TOPOLOGY = """\
+run_id = "wan-dp-vs-learners"
+learner_config = "{config}"
+max_outer_steps = {steps}
+num_shards = 4
+bootstrap_region = "north"
+
+[[regions]]
+name = "north"
+subnet = "10.78.1.0/24"
+learners = 2
+bandwidth = "{rate}"
+
+[[regions]]
+name = "south"
+subnet = "10.78.2.0/24"
+learners = 2
+bandwidth = "{rate}"
+"""
+STARTED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*eval_loss [\d.]+ before training")
+REACHED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*global model eval_loss ([\d.]+) at version (\d+) "
+                     r"\(target [\d.]+: reached\)")
+
+
+def period_seconds(rate: str, fragments: int = 2) -> int:
+    """Clock-schedule period: slots of different fragments at least two expected rounds apart.
+
+    An int4 fragment round moves about 2.5 MB over a region's uplink here (measured: 1.4–2.0 MB sent
+    per learner per round), after about 3 s of matchmaking. A learner whose round is still in flight
+    at its next slot skips that slot and later has to download the fragment, which is expensive on a
+    slow link.
+    """
+    expected_round = 3.0 + 2.5e6 * 8 / rate_bits_per_second(rate)
+    return max(20, round(2 * fragments * expected_round))
+
+
+def topology(rate: str, steps: int, work: Path) -> tuple[Path, Topology]:
+    from p2p_diloco.config import read_toml
+
+    path = work / f"topology-{rate}.toml"
+    path.write_text(TOPOLOGY.format(config=CONFIG, steps=steps, rate=rate))
+    return path, Topology.model_validate(read_toml(path))
+
+
+# ------------------------------------------------------------------------------------------ data parallel
+
+
+def run_dp(hosts: list[Host] | None, max_steps: int, target: float | None, eval_every: int, work: Path,
+           name: str, timeout: float, max_seconds: float = 1e9) -> dict:
+    """4 gloo ranks, in the hosts' namespaces (over the shaped links) or on loopback (hosts None)."""
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    world = len(hosts) if hosts else 4
+    master = f"{hosts[0].addr}:29500" if hosts else "127.0.0.1:29500"
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "wan" / "dp_worker.py"), "--rank", str(r), "--world",
+               str(world), "--master", master, "--iface", "eth0" if hosts else "lo", "--config", str(CONFIG),
+               *[x for o in MODEL for x in ("--set", o)], "--max-steps", str(max_steps),
+               "--max-seconds", str(max_seconds), "--eval-every", str(eval_every), "--out", str(out / f"rank-{r}.json")]
+        if target is not None:
+            cmd += ["--target-loss", str(target)]
+        if hosts:
+            cmd = ["ip", "netns", "exec", hosts[r].ns, *cmd]
+        log = (out / f"rank-{r}.log").open("wb")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+    if any(c != 0 for c in codes):
+        raise RuntimeError(f"data-parallel run {name} failed: exit codes {codes}; see {out}")
+    r0 = json.loads((out / "rank-0.json").read_text())
+    # The first step includes gloo's connection set-up; short runs skip only that one.
+    skip = min(2 if len(r0["step_seconds"]) > 5 else 1, len(r0["step_seconds"]) - 1)
+    steps = r0["step_seconds"][skip:]
+    return {
+        "steps": r0["steps"], "num_params": r0["num_params"], "curve": r0["curve"],
+        "step_seconds_median": statistics.median(steps),
+        "allreduce_seconds_median": statistics.median(r0["comm_seconds"][skip:]),
+        "compute_seconds_median": statistics.median(r0["compute_seconds"][skip:]),
+        "utilization": sum(r0["compute_seconds"]) / max(1e-9, sum(r0["compute_seconds"]) + sum(r0["comm_seconds"])),
+        "train_seconds": r0["train_seconds"],
+    }
+
+
+def steps_to_target(curve: list, target: float) -> int | None:
+    return next((int(step) for step, loss, _ in curve if loss <= target), None)
+
+
+def curves_agree(shaped: list, reference: list) -> float | None:
+    """Largest |loss difference| at the steps both runs evaluated (None if they share none but step 0)."""
+    ref = {int(s): loss for s, loss, _ in reference}
+    diffs = [abs(loss - ref[int(s)]) for s, loss, _ in shaped if int(s) in ref and int(s) > 0]
+    return max(diffs) if diffs else None
+
+
+# ------------------------------------------------------------------------------------------------ learners
+
+
+def _seconds_since(launched: datetime, hhmmss: str) -> float:
+    t = datetime.combine(launched.date(), datetime.strptime(hhmmss, "%H:%M:%S").time())
+    if t < launched - timedelta(hours=12):
+        t += timedelta(days=1)
+    return (t - launched).total_seconds()
+
+
+def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: float) -> dict:
+    d = work / f"learners-{rate}"
+    d.mkdir(parents=True, exist_ok=True)
+    topo_path, _ = topology(rate, max_outer, d)
+    cmd = [sys.executable, "-m", "p2p_diloco", "regions", "--topology", str(topo_path), "--workdir", str(d / "run"),
+           *[x for o in [*MODEL, *LEARNERS, f"sync.period_seconds={period_seconds(rate)}",
+                         f"run.stop_at_eval_loss={target}"] for x in ("--set", o)]]
+    launched = datetime.now().replace(microsecond=0)
+    t0 = time.monotonic()
+    with (d / "regions.log").open("w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.monotonic() - t0
+    text = (d / "regions.log").read_text(errors="replace")
+    reached = [(m.group(1), _seconds_since(launched, m.group(2)), float(m.group(3)), int(m.group(4)))
+               for line in text.splitlines() if (m := REACHED.match(line))]
+    summary = json.loads((d / "run" / "regions-summary.json").read_text())
+    learners = summary["learners"]
+    first = min(reached, key=lambda r: r[1]) if reached else None
+    started = [_seconds_since(launched, m.group(2)) for line in text.splitlines() if (m := STARTED.match(line))]
+    return {
+        "rate": rate, "period_seconds": period_seconds(rate), "exit_code": proc.returncode,
+        "wall_seconds": round(wall, 1),
+        "time_to_target_seconds": first[1] if first else None,
+        "startup_seconds": min(started) if started else None,
+        "reached_by": first[0] if first else None, "version_at_target": first[3] if first else None,
+        "eval_loss_at_target": first[2] if first else None,
+        # Learners stop at the first version whose global model reaches the target, which can differ by
+        # one between learners; the invariant is that learners at the same version hold the same state.
+        "one_state_per_version": all(
+            len({s["global_state_sha256"] for s in learners.values() if s["version"] == v}) == 1
+            for v in {s["version"] for s in learners.values()}),
+        "versions": {k: s["version"] for k, s in learners.items()},
+        "inner_steps": {k: s["inner_steps"] for k, s in learners.items()},
+        "utilization": statistics.mean(s["compute_seconds"] / max(1e-9, s["train_seconds"]) for s in learners.values()),
+        "step_seconds": statistics.mean(s["compute_seconds"] / max(1, s["inner_steps"]) for s in learners.values()),
+        "wan_bytes": summary["links"],
+        "log": str(d / "regions.log"),
+    }
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="50mbit,10mbit,2mbit")
+    p.add_argument("--target-loss", type=float, default=2.6)
+    p.add_argument("--dp-steps", type=int, default=10, help="data-parallel steps timed over each shaped link")
+    p.add_argument("--dp-seconds", type=float, default=300.0,
+                   help="fewer steps (at least 4) over a link where --dp-steps would take longer than this, "
+                        "estimated from the bytes per step measured over the previous link")
+    p.add_argument("--dp-max-steps", type=int, default=3000, help="cap of the loopback reference run")
+    p.add_argument("--max-outer-steps", type=int, default=60, help="cap of the learners' run")
+    p.add_argument("--learner-timeout", type=float, default=1500.0)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--json", default=str(RESULTS))
+    a = p.parse_args()
+    if os.geteuid() != 0:
+        print("error: needs root (network namespaces and tc)", file=sys.stderr)
+        return 2
+    netns.check_available()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="wan-dp-vs-learners-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"workdir {work}", flush=True)
+
+    ref = run_dp(None, a.dp_max_steps, a.target_loss, 10, work, "dp-reference", timeout=3600)
+    n_target = steps_to_target(ref["curve"], a.target_loss)
+    print(f"[dp reference, loopback] {ref['num_params']:,} params; target {a.target_loss} reached at step "
+          f"{n_target}; step {ref['step_seconds_median']:.3f}s", flush=True)
+    rows = []
+    bytes_per_step = None
+    for rate in a.rates.split(","):
+        dp_steps = a.dp_steps
+        if bytes_per_step:
+            estimate = bytes_per_step * 8 / rate_bits_per_second(rate) + ref["step_seconds_median"]
+            dp_steps = max(4, min(a.dp_steps, int(a.dp_seconds / estimate)))
+        _, topo = topology(rate, a.max_outer_steps, work)
+        prefix = netns.run_prefix()
+        fabric = Fabric(topo, prefix, netem=False)
+        try:
+            hosts = fabric.build()[1:]
+            dp = run_dp(hosts, dp_steps, None, 10, work, f"dp-{rate}", timeout=3600)
+            links = fabric.link_bytes()
+        finally:
+            fabric.teardown()
+        dp["wan_bytes_per_step"] = bytes_per_step = max(v["up"] for v in links.values()) / dp["steps"]
+        dp["loss_max_abs_diff_vs_reference"] = curves_agree(dp["curve"], ref["curve"])
+        dp["time_to_target_seconds"] = n_target * dp["step_seconds_median"] if n_target else None
+        print(f"[dp {rate}] step {dp['step_seconds_median']:.2f}s (all-reduce {dp['allreduce_seconds_median']:.2f}s), "
+              f"{dp['wan_bytes_per_step'] / 1e6:.1f} MB per step out of a region; time to target "
+              f"{dp['time_to_target_seconds']}", flush=True)
+        ln = run_learners(rate, a.target_loss, a.max_outer_steps, work, a.learner_timeout)
+        print(f"[learners {rate}] time to target {ln['time_to_target_seconds']} s (version "
+              f"{ln['version_at_target']}), one state per version {ln['one_state_per_version']}", flush=True)
+        speedup = (dp["time_to_target_seconds"] / ln["time_to_target_seconds"]
+                   if dp["time_to_target_seconds"] and ln["time_to_target_seconds"] else None)
+        rows.append({"rate": rate, "dp": dp, "learners": ln, "speedup": speedup})
+
+    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
+           "target_loss": a.target_loss, "dp_reference": ref, "dp_steps_to_target": n_target,
+           "model_overrides": MODEL, "learner_overrides": LEARNERS, "rows": rows}
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\n| WAN link (each way) | DP step s (all-reduce s) | DP time to {a.target_loss} (s) | learners' time to "
+          f"{a.target_loss} (s) | speed-up | DP MB out of a region (to target) | learners' MB out of a region "
+          "(whole run) | DP utilization | learners' utilization |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dp, ln = r["dp"], r["learners"]
+        dp_mb = dp["wan_bytes_per_step"] * n_target / 1e6 if n_target else None
+        ln_mb = max(v["up"] for v in ln["wan_bytes"].values()) / 1e6 if ln["wan_bytes"] else None
+        fmt = lambda x, s: "–" if x is None else format(x, s)  # noqa: E731
+        print(f"| {r['rate']} | {dp['step_seconds_median']:.2f} ({dp['allreduce_seconds_median']:.2f}) | "
+              f"{fmt(dp['time_to_target_seconds'], '.0f')} | {fmt(ln['time_to_target_seconds'], '.0f')} | "
+              f"{fmt(r['speedup'], '.1f')}× | {fmt(dp_mb, ',.0f')} | {fmt(ln_mb, ',.1f')} | "
+              f"{dp['utilization']:.1%} | {ln['utilization']:.1%} |")
+    print(f"results in {a.json}; logs in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -124,41 +124,44 @@ def read_summaries(paths: dict[object, Path]) -> list[tuple[object, dict]]:
     return [(name, json.loads(path.read_text())) for name, path in paths.items() if path.exists()]
 
 
-def print_summary_table(title: str, rows: list[tuple[object, dict]]) -> dict[int, set[str]]:
-    """One line per learner; returns the distinct global-state hashes at each final version."""
+def print_summary_table(title: str, rows: list[tuple[object, dict]]) -> None:
+    """One line per learner."""
     print(f"\n{title}")
     print(f"{'learner':>8} {'version':>8} {'rounds':>7} {'tokens':>10} {'eval first':>11} {'eval last':>10}  sha256")
     for name, s in rows:
         print(f"{name!s:>8} {s['version']:>8} {s['outer_steps']:>7} {s['tokens']:>10} "
               f"{s['first_eval_loss']:>11.4f} {s['last_eval_loss']:>10.4f}  {s['global_state_sha256'][:16]}")
-    by_version: dict[int, set[str]] = {}
-    for _, s in rows:
-        by_version.setdefault(s["version"], set()).add(s["global_state_sha256"])
-    return by_version
 
 
-def lineage_verdict(by_version: dict[int, set[str]], who: str) -> tuple[bool, str]:
-    """Whether learners at the same version hold the same state, as one line for the summary.
+def lineage_verdict(summaries: list[dict], who: str) -> tuple[bool, str]:
+    """Whether learners holding the same version of a fragment hold the same bytes of it, as one line.
 
-    Learners stopped by ``--max-outer-steps`` all end at one version. Learners stopped by
-    ``run.stop_at_eval_loss`` stop at the first version whose global model reaches the target, which
-    can differ by one or two between them; then each version must still have one state.
+    Learners stopped by ``--max-outer-steps`` usually end with identical versions, and then the whole
+    global state must be identical. Learners stopped by ``run.stop_at_eval_loss`` stop at the first
+    version whose global model reaches the target, which can differ by a round or two between
+    them; then each fragment version must still have one state.
     """
-    if not by_version:
+    if not summaries:
         return False, "no learner wrote a summary"
-    split = {v: len(h) for v, h in by_version.items() if len(h) > 1}
+    split = []
+    for f in range(len(summaries[0]["versions"])):
+        by_version: dict[int, set[str]] = {}
+        for s in summaries:
+            by_version.setdefault(s["versions"][f], set()).add(s["fragment_sha256"][f])
+        split += [f"fragment {f} version {v} ({len(h)} states)" for v, h in sorted(by_version.items()) if len(h) > 1]
     if split:
-        return False, "learners ended with distinct global states at " + ", ".join(
-            f"version {v} ({n} states)" for v, n in sorted(split.items()))
-    if len(by_version) == 1:
+        return False, "learners ended with distinct global states at " + ", ".join(split)
+    if len({s["global_state_sha256"] for s in summaries}) == 1:
         return True, f"all {who} hold the same global state"
-    return True, (f"all {who} hold one global state per version (they stopped at versions "
-                  f"{', '.join(map(str, sorted(by_version)))})")
+    versions = sorted({s["version"] for s in summaries})
+    return True, (f"all {who} hold one state per fragment version (they stopped at versions "
+                  f"{', '.join(map(str, versions))})")
 
 
 def _report(work: Path, n: int, codes: list[int | None]) -> int:
     rows = read_summaries({i: work / f"summary-{i}.json" for i in range(n)})
-    consistent, verdict = lineage_verdict(print_summary_table("swarm summary", rows), f"{n} learners")
+    print_summary_table("swarm summary", rows)
+    consistent, verdict = lineage_verdict([s for _, s in rows], f"{n} learners")
     ok = len(rows) == n and consistent and all(c == 0 for c in codes)
     if ok:
         print(f"{verdict}; eval loss {rows[0][1]['first_eval_loss']:.4f} -> {rows[0][1]['last_eval_loss']:.4f}")

@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from p2p_diloco.local_swarm import lineage_verdict  # noqa: E402
 from p2p_diloco.regions import netns  # noqa: E402
 from p2p_diloco.regions.netns import Fabric, Host  # noqa: E402
 from p2p_diloco.regions.topology import Topology, rate_bits_per_second  # noqa: E402
@@ -152,6 +153,11 @@ def run_dp(hosts: list[Host] | None, max_steps: int, target: float | None, eval_
             p.wait()
     if any(c != 0 for c in codes):
         raise RuntimeError(f"data-parallel run {name} failed: exit codes {codes}; see {out}")
+    return dp_result(out)
+
+
+def dp_result(out: Path) -> dict:
+    """Figures of one data-parallel run, from rank 0's JSON file."""
     r0 = json.loads((out / "rank-0.json").read_text())
     # The first step includes gloo's connection set-up; short runs skip only that one.
     skip = min(2 if len(r0["step_seconds"]) > 5 else 1, len(r0["step_seconds"]) - 1)
@@ -194,12 +200,17 @@ def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: 
     cmd = [sys.executable, "-m", "p2p_diloco", "regions", "--topology", str(topo_path), "--workdir", str(d / "run"),
            *[x for o in [*MODEL, *LEARNERS, f"sync.period_seconds={period_seconds(rate)}",
                          f"run.stop_at_eval_loss={target}"] for x in ("--set", o)]]
-    launched = datetime.now().replace(microsecond=0)
     t0 = time.monotonic()
     with (d / "regions.log").open("w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall = time.monotonic() - t0
+    return {**learners_result(d, rate), "exit_code": proc.returncode, "wall_seconds": round(time.monotonic() - t0, 1)}
+
+
+def learners_result(d: Path, rate: str) -> dict:
+    """Figures of one learners' run, from its log and summaries. The launch time is the moment the
+    topology file was written, just before ``p2p-diloco regions`` started."""
+    launched = datetime.fromtimestamp(int((d / f"topology-{rate}.toml").stat().st_mtime))
     text = (d / "regions.log").read_text(errors="replace")
     reached = [(m.group(1), _seconds_since(launched, m.group(2)), float(m.group(3)), int(m.group(4)))
                for line in text.splitlines() if (m := REACHED.match(line))]
@@ -208,17 +219,14 @@ def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: 
     first = min(reached, key=lambda r: r[1]) if reached else None
     started = [_seconds_since(launched, m.group(2)) for line in text.splitlines() if (m := STARTED.match(line))]
     return {
-        "rate": rate, "period_seconds": period_seconds(rate), "exit_code": proc.returncode,
-        "wall_seconds": round(wall, 1),
+        "rate": rate, "period_seconds": period_seconds(rate),
         "time_to_target_seconds": first[1] if first else None,
         "startup_seconds": min(started) if started else None,
         "reached_by": first[0] if first else None, "version_at_target": first[3] if first else None,
         "eval_loss_at_target": first[2] if first else None,
-        # Learners stop at the first version whose global model reaches the target, which can differ by
-        # one between learners; the invariant is that learners at the same version hold the same state.
-        "one_state_per_version": all(
-            len({s["global_state_sha256"] for s in learners.values() if s["version"] == v}) == 1
-            for v in {s["version"] for s in learners.values()}),
+        # Learners stop at the first version whose global model reaches the target, which can differ
+        # between learners; the invariant is one state per fragment version.
+        "one_state_per_version": lineage_verdict(list(learners.values()), "learners")[0],
         "versions": {k: s["version"] for k, s in learners.items()},
         "inner_steps": {k: s["inner_steps"] for k, s in learners.items()},
         "utilization": statistics.mean(s["compute_seconds"] / max(1e-9, s["train_seconds"]) for s in learners.values()),
@@ -226,6 +234,70 @@ def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: 
         "wan_bytes": summary["links"],
         "log": str(d / "regions.log"),
     }
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+
+def shaped_dp(dp: dict, links: dict, ref: dict, n_target: int | None) -> dict:
+    dp["wan_bytes_per_step"] = max(v["up"] for v in links.values()) / dp["steps"]
+    dp["loss_max_abs_diff_vs_reference"] = curves_agree(dp["curve"], ref["curve"])
+    dp["time_to_target_seconds"] = n_target * dp["step_seconds_median"] if n_target else None
+    return dp
+
+
+def make_row(rate: str, dp: dict, ln: dict, n_target: int | None) -> dict:
+    speedup = (dp["time_to_target_seconds"] / ln["time_to_target_seconds"]
+               if dp["time_to_target_seconds"] and ln["time_to_target_seconds"] else None)
+    return {"rate": rate, "dp": dp, "learners": ln, "speedup": speedup}
+
+
+def _links(dp_dir: Path, work: Path, rate: str) -> dict:
+    """The WAN byte counters of a shaped DP run: links.json, or (runs made before that file was written)
+    the bytes per step the run printed to ``bench.out`` in its workdir, as {"region": {"up": bytes}}."""
+    if (dp_dir / "links.json").exists():
+        return json.loads((dp_dir / "links.json").read_text())
+    m = re.search(rf"^\[dp {rate}\] .*?([\d.]+) MB per step out of a region", (work / "bench.out").read_text(), re.M)
+    steps = json.loads((dp_dir / "rank-0.json").read_text())["steps"]
+    return {"printed": {"up": float(m.group(1)) * 1e6 * steps}}
+
+
+def rerender(workdirs: list[Path], target: float, out: str) -> int:
+    ref = dp_result(workdirs[0] / "dp-reference")
+    n_target = steps_to_target(ref["curve"], target)
+    rows = []
+    for w in workdirs:
+        for d in sorted(w.glob("dp-*")):
+            rate = d.name.removeprefix("dp-")
+            if rate == "reference" or not (w / f"learners-{rate}" / "run" / "regions-summary.json").exists():
+                continue
+            dp = shaped_dp(dp_result(d), _links(d, w, rate), ref, n_target)
+            rows.append(make_row(rate, dp, learners_result(w / f"learners-{rate}", rate), n_target))
+    rows.sort(key=lambda r: -rate_bits_per_second(r["rate"]))
+    report(rows, ref, n_target, target, out)
+    return 0
+
+
+def report(rows: list[dict], ref: dict, n_target: int | None, target: float, out: str) -> None:
+    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
+           "target_loss": target, "dp_reference": ref, "dp_steps_to_target": n_target,
+           "model_overrides": MODEL, "learner_overrides": LEARNERS, "rows": rows}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\n| WAN link (each way) | DP step s (all-reduce s) | DP time to {target} (s) | learners' time to "
+          f"{target} (s) | speed-up | DP MB out of a region (to target) | learners' MB out of a region "
+          "(whole run) | DP utilization | learners' utilization |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dp, ln = r["dp"], r["learners"]
+        dp_mb = dp["wan_bytes_per_step"] * n_target / 1e6 if n_target else None
+        ln_mb = max(v["up"] for v in ln["wan_bytes"].values()) / 1e6 if ln["wan_bytes"] else None
+        fmt = lambda x, s: "–" if x is None else format(x, s)  # noqa: E731
+        print(f"| {r['rate']} | {dp['step_seconds_median']:.2f} ({dp['allreduce_seconds_median']:.2f}) | "
+              f"{fmt(dp['time_to_target_seconds'], '.0f')} | {fmt(ln['time_to_target_seconds'], '.0f')} | "
+              f"{fmt(r['speedup'], '.1f')}× | {fmt(dp_mb, ',.0f')} | {fmt(ln_mb, ',.1f')} | "
+              f"{dp['utilization']:.1%} | {ln['utilization']:.1%} |")
+    print(f"results in {out}")
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -243,8 +315,13 @@ def main() -> int:
     p.add_argument("--max-outer-steps", type=int, default=60, help="cap of the learners' run")
     p.add_argument("--learner-timeout", type=float, default=1500.0)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--from-workdirs", nargs="+", default=None, metavar="DIR",
+                   help="do not train: rebuild the results from the workdirs of earlier runs (their dp-reference, "
+                        "dp-<rate> and learners-<rate> folders) and print the table")
     p.add_argument("--json", default=str(RESULTS))
     a = p.parse_args()
+    if a.from_workdirs:
+        return rerender([Path(w) for w in a.from_workdirs], a.target_loss, a.json)
     if os.geteuid() != 0:
         print("error: needs root (network namespaces and tc)", file=sys.stderr)
         return 2
@@ -273,37 +350,18 @@ def main() -> int:
             links = fabric.link_bytes()
         finally:
             fabric.teardown()
-        dp["wan_bytes_per_step"] = bytes_per_step = max(v["up"] for v in links.values()) / dp["steps"]
-        dp["loss_max_abs_diff_vs_reference"] = curves_agree(dp["curve"], ref["curve"])
-        dp["time_to_target_seconds"] = n_target * dp["step_seconds_median"] if n_target else None
+        (work / f"dp-{rate}" / "links.json").write_text(json.dumps(links))
+        dp = shaped_dp(dp, links, ref, n_target)
+        bytes_per_step = dp["wan_bytes_per_step"]
         print(f"[dp {rate}] step {dp['step_seconds_median']:.2f}s (all-reduce {dp['allreduce_seconds_median']:.2f}s), "
               f"{dp['wan_bytes_per_step'] / 1e6:.1f} MB per step out of a region; time to target "
               f"{dp['time_to_target_seconds']}", flush=True)
         ln = run_learners(rate, a.target_loss, a.max_outer_steps, work, a.learner_timeout)
         print(f"[learners {rate}] time to target {ln['time_to_target_seconds']} s (version "
               f"{ln['version_at_target']}), one state per version {ln['one_state_per_version']}", flush=True)
-        speedup = (dp["time_to_target_seconds"] / ln["time_to_target_seconds"]
-                   if dp["time_to_target_seconds"] and ln["time_to_target_seconds"] else None)
-        rows.append({"rate": rate, "dp": dp, "learners": ln, "speedup": speedup})
+        rows.append(make_row(rate, dp, ln, n_target))
 
-    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
-           "target_loss": a.target_loss, "dp_reference": ref, "dp_steps_to_target": n_target,
-           "model_overrides": MODEL, "learner_overrides": LEARNERS, "rows": rows}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"\n| WAN link (each way) | DP step s (all-reduce s) | DP time to {a.target_loss} (s) | learners' time to "
-          f"{a.target_loss} (s) | speed-up | DP MB out of a region (to target) | learners' MB out of a region "
-          "(whole run) | DP utilization | learners' utilization |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        dp, ln = r["dp"], r["learners"]
-        dp_mb = dp["wan_bytes_per_step"] * n_target / 1e6 if n_target else None
-        ln_mb = max(v["up"] for v in ln["wan_bytes"].values()) / 1e6 if ln["wan_bytes"] else None
-        fmt = lambda x, s: "–" if x is None else format(x, s)  # noqa: E731
-        print(f"| {r['rate']} | {dp['step_seconds_median']:.2f} ({dp['allreduce_seconds_median']:.2f}) | "
-              f"{fmt(dp['time_to_target_seconds'], '.0f')} | {fmt(ln['time_to_target_seconds'], '.0f')} | "
-              f"{fmt(r['speedup'], '.1f')}× | {fmt(dp_mb, ',.0f')} | {fmt(ln_mb, ',.1f')} | "
-              f"{dp['utilization']:.1%} | {ln['utilization']:.1%} |")
+    report(rows, ref, n_target, a.target_loss, a.json)
     print(f"results in {a.json}; logs in {work}")
     return 0
 

@@ -199,12 +199,12 @@ def _report(opts: RegionsOptions, learners: dict[str, asyncio.subprocess.Process
             links: dict[str, dict[str, int]], netem: bool) -> int:
     work = opts.workdir
     rows = read_summaries({name: work / f"summary-{name}.json" for name in learners})
-    by_version = print_summary_table("regions summary", rows)
+    print_summary_table("regions summary", rows)
     for region, b in links.items():
         print(f"WAN link {region}: {b['up'] / 1e6:.2f} MB out of the region, {b['down'] / 1e6:.2f} MB into it")
     codes = {name: p.returncode for name, p in learners.items()}
     regions = {name.rsplit("-", 1)[0] for name, _ in rows}
-    consistent, verdict = lineage_verdict(by_version, f"{len(rows)} learners in {len(regions)} regions")
+    consistent, verdict = lineage_verdict([s for _, s in rows], f"{len(rows)} learners in {len(regions)} regions")
     ok = bool(learners) and len(rows) == len(learners) and consistent and all(c == 0 for c in codes.values())
     if ok:
         print(f"{verdict}; eval loss {rows[0][1]['first_eval_loss']:.4f} -> {rows[0][1]['last_eval_loss']:.4f}")

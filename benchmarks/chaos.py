@@ -5,9 +5,10 @@ chaos loop SIGKILLs a random live learner's whole process group, with exponentia
 gaps (mean ``--mtbf / M`` for the swarm, i.e. ``--mtbf`` per learner), and restarts it with
 ``--resume`` after ``--downtime`` seconds. The same seeded schedule is replayed for each mode:
 
-- ``decoupled``: quorum K = 2: the survivors keep merging, a restarted learner re-integrates.
-- ``sync``: plain synchronous DiLoCo: every round waits for all M learners (K = M), so a dead
-  learner stalls the others until it is back.
+- ``decoupled``: P = 2 fragments at wall-clock slots, rounds overlapped with τ = 25 inner steps,
+  quorum K = 2: the survivors keep merging, a restarted learner re-integrates.
+- ``sync``: plain synchronous DiLoCo: one fragment, no overlap, and every round waits for all M
+  learners (K = M), so a dead learner stalls the others until it is back.
 - ``clean``: ``decoupled`` without failures, for the loss comparison.
 
 Goodput = Σ over learners of (inner steps that reached the global model × that learner's seconds per
@@ -35,19 +36,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
 COMMON = [
-    "--set", "inner.steps_per_outer=24", "--set", "averaging.matchmaking_time=2.5",
+    "--set", "model.n_embd=128", "--set", "inner.steps_per_outer=60", "--set", "averaging.matchmaking_time=2.5",
     "--set", "averaging.request_timeout=1.0", "--set", "averaging.next_chunk_timeout=5.0",
     "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=0", "--set", "run.log_every=1000",
 ]
-# Both modes use one fragment and no overlap, so that they differ only in what a failure does to
-# a round: with this small model a round (≈ 2.5 s of matchmaking) is as long as H inner steps, and
-# overlapping it would need τ ≫ H/P here (see BENCHMARKS.md, "Decoupled DiLoCo").
-DECOUPLED = ["--set", "averaging.min_group_size=2", "--set", "averaging.round_timeout=10.0"]
+# Decoupled: two fragments on the wall-clock schedule (each fragment's round every 15 s, ≈ H steps,
+# at slots shared by all learners, so a restarted learner is back in phase at its next slot), each
+# round overlapped with τ = 25 inner steps with local progress kept (mix), quorum K = 2; a group
+# closes at once when all M learners are in it, else after matchmaking_time.
+DECOUPLED = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=25", "--set", "sync.apply_policy=mix",
+             "--set", "sync.schedule=clock", "--set", "sync.period_seconds=15",
+             "--set", "averaging.min_group_size=2", "--set", "averaging.round_timeout=10.0"]
 MODES = {"decoupled": DECOUPLED, "clean": DECOUPLED}
 
 
 def sync_mode(m: int) -> list[str]:
-    return ["--set", f"averaging.min_group_size={m}", "--set", f"averaging.target_group_size={m}",
+    """Plain synchronous DiLoCo: one fragment, no overlap, every round waits for all M learners."""
+    return ["--set", "sync.fragments=1", "--set", "sync.overlap_steps=0", "--set", f"averaging.min_group_size={m}",
             "--set", "averaging.round_timeout=300.0"]
 
 
@@ -102,7 +107,7 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
             raise RuntimeError("bootstrap node did not start")
         time.sleep(0.2)
     peers = maddrs.read_text().split()[0]
-    extra = sync_mode(m) if mode == "sync" else MODES[mode]
+    extra = [*(sync_mode(m) if mode == "sync" else MODES[mode]), "--set", f"averaging.target_group_size={m}"]
 
     def start(i: int) -> Proc:
         return Proc(f"learner-{i}", [

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from p2p_diloco.local_swarm import fragment_states
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
 COMMON = [
@@ -171,12 +173,7 @@ def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
     valid = [s for s in summaries if s]
     top = max((s["version"] for s in valid), default=0)
     # One lineage: learners holding the same version of a fragment hold the same bytes of it.
-    lineages = 1
-    for f in range(len(valid[0]["versions"]) if valid else 0):
-        by_version: dict[int, set] = {}
-        for s in valid:
-            by_version.setdefault(s["versions"][f], set()).add(s["fragment_sha256"][f])
-        lineages = max([lineages, *map(len, by_version.values())])
+    lineages = max(map(len, fragment_states(valid).values()), default=1)
     losses = [s["last_eval_loss"] for s in valid]
     reintegrations = sum(len(re.findall(r"synced global state", (work / f"learner-{i}.log").read_text()))
                          for i in range(m))

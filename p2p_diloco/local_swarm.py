@@ -133,6 +133,15 @@ def print_summary_table(title: str, rows: list[tuple[object, dict]]) -> None:
               f"{s['first_eval_loss']:>11.4f} {s['last_eval_loss']:>10.4f}  {s['global_state_sha256'][:16]}")
 
 
+def fragment_states(summaries: list[dict]) -> dict[tuple[int, int], set[str]]:
+    """(fragment, version) -> the distinct hashes the learners holding that version have of it."""
+    out: dict[tuple[int, int], set[str]] = {}
+    for s in summaries:
+        for f, (v, sha) in enumerate(zip(s["versions"], s["fragment_sha256"], strict=True)):
+            out.setdefault((f, v), set()).add(sha)
+    return out
+
+
 def lineage_verdict(summaries: list[dict], who: str) -> tuple[bool, str]:
     """Whether learners holding the same version of a fragment hold the same bytes of it, as one line.
 
@@ -143,12 +152,8 @@ def lineage_verdict(summaries: list[dict], who: str) -> tuple[bool, str]:
     """
     if not summaries:
         return False, "no learner wrote a summary"
-    split = []
-    for f in range(len(summaries[0]["versions"])):
-        by_version: dict[int, set[str]] = {}
-        for s in summaries:
-            by_version.setdefault(s["versions"][f], set()).add(s["fragment_sha256"][f])
-        split += [f"fragment {f} version {v} ({len(h)} states)" for v, h in sorted(by_version.items()) if len(h) > 1]
+    split = [f"fragment {f} version {v} ({len(h)} states)"
+             for (f, v), h in sorted(fragment_states(summaries).items()) if len(h) > 1]
     if split:
         return False, "learners ended with distinct global states at " + ", ".join(split)
     if len({s["global_state_sha256"] for s in summaries}) == 1:

@@ -56,6 +56,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from run import two_region_topology  # noqa: E402  (benchmarks/wan/run.py, beside this script)
+
 from p2p_diloco.local_swarm import lineage_verdict  # noqa: E402
 from p2p_diloco.regions import netns  # noqa: E402
 from p2p_diloco.regions.netns import Fabric, Host  # noqa: E402
@@ -73,25 +75,6 @@ LEARNERS = [
     "averaging.request_timeout=1.0", "averaging.round_timeout=30.0", "averaging.allreduce_timeout=120.0",
     "averaging.next_chunk_timeout=60.0", "network.record_ttl=8.0", "run.linger_seconds=20.0", "run.log_every=50",
 ]
-TOPOLOGY = """\
-run_id = "wan-dp-vs-learners"
-learner_config = "{config}"
-max_outer_steps = {steps}
-num_shards = 4
-bootstrap_region = "north"
-
-[[regions]]
-name = "north"
-subnet = "10.78.1.0/24"
-learners = 2
-bandwidth = "{rate}"
-
-[[regions]]
-name = "south"
-subnet = "10.78.2.0/24"
-learners = 2
-bandwidth = "{rate}"
-"""
 STARTED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*eval_loss [\d.]+ before training")
 REACHED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*global model eval_loss ([\d.]+) at version (\d+) "
                      r"\(target [\d.]+: reached\)")
@@ -113,7 +96,7 @@ def topology(rate: str, steps: int, work: Path) -> tuple[Path, Topology]:
     from p2p_diloco.config import read_toml
 
     path = work / f"topology-{rate}.toml"
-    path.write_text(TOPOLOGY.format(config=CONFIG, steps=steps, rate=rate))
+    path.write_text(two_region_topology(rate, steps, run_id="wan-dp-vs-learners", net=78, config=CONFIG))
     return path, Topology.model_validate(read_toml(path))
 
 

@@ -36,24 +36,30 @@ FAST = [
 ]
 
 TOPOLOGY = """\
-run_id = "wan-bench"
-learner_config = "peers/small-cpu.toml"
+run_id = "{run_id}"
+learner_config = "{config}"
 max_outer_steps = {steps}
 num_shards = 4
 bootstrap_region = "north"
 
 [[regions]]
 name = "north"
-subnet = "10.77.1.0/24"
+subnet = "10.{net}.1.0/24"
 learners = 2
 bandwidth = "{rate}"
 
 [[regions]]
 name = "south"
-subnet = "10.77.2.0/24"
+subnet = "10.{net}.2.0/24"
 learners = 2
 bandwidth = "{rate}"
 """
+
+
+def two_region_topology(rate: str, steps: int, run_id: str = "wan-bench", net: int = 77,
+                        config: str | Path = "peers/small-cpu.toml") -> str:
+    """Topology file text: regions north and south, 2 learners each, both WAN links at ``rate``."""
+    return TOPOLOGY.format(run_id=run_id, config=config, steps=steps, net=net, rate=rate)
 
 ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .*allreduce ([\d.]+)s round ([\d.]+)s "
                    r"sent ([\d.]+) MB")
@@ -65,7 +71,7 @@ QUICK = [("1gbit", "none"), ("5mbit", "none")]
 def run_one(rate: str, codec: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
         topo = Path(tmp) / "topology.toml"
-        topo.write_text(TOPOLOGY.format(rate=rate, steps=steps))
+        topo.write_text(two_region_topology(rate, steps))
         t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "p2p_diloco", "regions", "--topology", str(topo),
                             "--workdir", str(Path(tmp) / "work"), *FAST, "--set", f"averaging.compression={codec}"],

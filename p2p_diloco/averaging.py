@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
 import torch
 from hivemind import DHT
@@ -27,13 +27,13 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.codecs import get_codec
@@ -90,7 +90,15 @@ class OuterGradientAverager(DecentralizedAverager):
     the fragment named in the step's gathered metadata (``{"fragment": f, ...}``), compressed with
     that fragment's codec. ``step()`` returns ``{"gathered": ..., "stats": ...}``: hivemind's gathered
     metadata plus the all-reduce's seconds and bytes, measured inside the averager process.
+
+    Besides hivemind's whole-state download it serves single fragments (``rpc_download_fragments``):
+    a learner behind on one fragment fetches that fragment only, 1/P of the bytes.
     """
+
+    # hivemind caches the RPC handlers per class on first use; a subclass that adds an RPC must not
+    # inherit the base class's cache.
+    _rpc_handlers = None
+    _stub_type = None
 
     def __init__(
         self,
@@ -164,17 +172,59 @@ class OuterGradientAverager(DecentralizedAverager):
             "bytes_sent": runner.bytes_sent,
         }
 
-    def load_state_from_peer(self, peer: str, timeout: float):
-        """Download the state of one given peer (an MPFuture of (metadata, tensors) or None)."""
+    def load_state_from_peer(self, peer: str, timeout: float, fragments: Sequence[int] | None = None):
+        """Download the state of one given peer (an MPFuture of (metadata, tensors) or None).
+
+        ``fragments``: only these fragments' tensors (parameters then momentum of each, in order);
+        None: the whole state.
+        """
         future = MPFuture()
-        self._outer_pipe.send(("_load_state_from_peer", [], dict(peer=peer, timeout=timeout, future=future)))
+        wanted = None if fragments is None else [int(f) for f in fragments]
+        self._outer_pipe.send(("_load_state_from_peer", [],
+                               dict(peer=peer, timeout=timeout, future=future, fragments=wanted)))
         return future
 
-    async def _load_state_from_peer(self, peer: str, timeout: float, future: MPFuture) -> None:
+    async def rpc_download_fragments(
+        self, request: averaging_pb2.AveragingData, _context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream the served metadata and the tensors of the fragments listed in ``request.group_id``.
+
+        hivemind has no download request with a free field, so this reuses ``AveragingData``: its
+        ``group_id`` bytes carry the msgpack list of fragment indices wanted.
+        """
+        if not self.allow_state_sharing:
+            return
+        try:
+            wanted = sorted({int(f) for f in self.serializer.loads(request.group_id)})
+            if not wanted or not all(0 <= f < len(self._fragments) for f in wanted):
+                raise ValueError(f"fragments {wanted} out of range")
+        except Exception as e:  # noqa: BLE001 - a malformed request is refused, not fatal
+            logger.warning(f"refused a fragment download request: {e!r}")
+            return
+        metadata, tensors, _ = await self._get_current_state_from_host_process()
+        # The served layout: for each fragment, its parameters then its momentum buffers.
+        start, selected = 0, []
+        for f, indices in enumerate(self._fragments):
+            if f in wanted:
+                selected += tensors[start:start + 2 * len(indices)]
+            start += 2 * len(indices)
+        for i, tensor in enumerate(selected):
+            info = CompressionInfo.from_tensor(tensor, key=i)
+            for part in split_for_streaming(self.state_compression.compress(tensor, info, allow_inplace=False)):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                metadata = None
+
+    async def _load_state_from_peer(
+        self, peer: str, timeout: float, future: MPFuture, fragments: list[int] | None = None
+    ) -> None:
         # Mirrors the per-peer body of DecentralizedAverager._load_state_from_peers.
         try:
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            if fragments is None:
+                stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            else:
+                request = averaging_pb2.AveragingData(group_id=self.serializer.dumps(fragments))
+                stream = await stub.rpc_download_fragments(request)
             metadata, tensors, parts = None, [], []
             async for message in aiter_with_timeout(stream, timeout=timeout):
                 if message.metadata:
@@ -187,7 +237,7 @@ class OuterGradientAverager(DecentralizedAverager):
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
             future.set_result((metadata, tensors) if metadata is not None else None)
         except Exception as e:  # noqa: BLE001 - any failure: the caller tries another peer
-            logger.debug(f"download from {peer} failed: {e!r}")
+            logger.warning(f"download from {peer} failed: {e!r}")
             if not future.done():
                 future.set_result(None)
 
@@ -352,10 +402,12 @@ class HivemindAveraging:
             future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
         return self._await_download(future, timeout)
 
-    def download_state_from(self, peer: str, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """The global state served by one given peer, or None."""
+    def download_state_from(
+        self, peer: str, timeout: float, fragments: Sequence[int] | None = None
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """The global state served by one given peer (only ``fragments``' tensors if given), or None."""
         with self._pipe_lock:
-            future = self._averager.load_state_from_peer(peer, timeout)
+            future = self._averager.load_state_from_peer(peer, timeout, fragments)
         return self._await_download(future, timeout)
 
     def _await_download(self, future, timeout: float):

@@ -35,6 +35,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ class Counters:
     bytes_sent: int = 0
     compute_seconds: float = 0.0  # wall time inside inner steps
     wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
+    download_seconds: float = 0.0  # wall time of background state downloads (inner steps went on)
     train_seconds: float = 0.0  # wall time of the training loop (inner steps, rounds, evals, checkpoints)
     first_eval_loss: float | None = None
     # per fragment, since that fragment's last committed round:
@@ -104,6 +106,21 @@ class InFlight:
     window: float
     thread: threading.Thread | None = None
     outcome: RoundOutcome | None = None
+
+
+@dataclass
+class Download:
+    """A state download running in the background while inner steps go on."""
+
+    fragments: tuple[int, ...]  # the fragments the swarm is ahead on (or holds a sibling of)
+    started: float
+    thread: threading.Thread | None = None
+    result: dict[int, GlobalState] | None = None
+
+
+def _same_or_behind(ours: GlobalState, theirs: GlobalState) -> bool:
+    """``theirs`` is our state or one of its ancestors: nothing to take."""
+    return theirs.sha256() == ours.sha256() or ours.descends_from(theirs.version, theirs.sha256())
 
 
 def start_dht(cfg: LearnerConfig, identity_path: Path | None) -> hivemind.DHT:
@@ -149,6 +166,8 @@ class Learner:
         self.counters = Counters()
         self.states: list[GlobalState] = []
         self.inflight: InFlight | None = None
+        self.download: Download | None = None
+        self._pending: dict[int, float] = {}  # fragment → deadline (monotonic) of a slot not yet started
         self._target_loss_reached = False
         self._last_outcome: RoundOutcome | None = None
         self.short_id = "------"
@@ -288,38 +307,47 @@ class Learner:
         self.faults.fire("serve", self.version)
         return served
 
-    def _download_newer_state(self, peers: list[str] = ()) -> list[int]:
+    def _download_newer_state(self, peers: list[str] = (), fragments: Sequence[int] | None = None) -> list[int]:
         """Adopt newer or sibling global state from ``peers`` (or any peer); rebase local progress onto it."""
+        return self._adopt(self._fetch_state(peers, fragments))
+
+    def _fetch_state(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None) -> dict[int, GlobalState]:
+        """Download and verify ``fragments`` (all when None) from the first of ``peers`` that serves them,
+        else the whole state from any peer. Touches no learner state: safe in a background thread."""
         attempts = [*peers[:3], None]  # None: any peer, newest version first (hivemind's priority order)
         for peer in attempts:
             if self.stop.is_set():
-                return []
+                return {}
             timeout = self.cfg.averaging.next_chunk_timeout
+            wanted = None if peer is None else fragments
             loaded = (self.averaging.download_state(timeout) if peer is None
-                      else self.averaging.download_state_from(peer, timeout))
+                      else self.averaging.download_state_from(peer, timeout, wanted))
             if loaded is None:
                 self.log(f"no state from {peer or 'any peer'}", logging.WARNING)
                 continue
-            theirs, problem = _parse_downloaded(*loaded, self.states)
+            theirs, problem = _parse_downloaded(*loaded, self.states, wanted)
             if problem:
                 self.log(f"rejected state from {peer or 'a peer'}: {problem}", logging.WARNING)
                 continue
-            changed = [f.index for f in self.fragments if self._reconcile(f, theirs[f.index])]
-            if not changed:
-                continue
+            if any(not _same_or_behind(self.states[f], s) for f, s in theirs.items()):
+                return theirs
+        return {}
+
+    def _adopt(self, theirs: dict[int, GlobalState]) -> list[int]:
+        changed = [f for f, state in sorted(theirs.items()) if self._reconcile(self.fragments[f], state)]
+        if changed:
             self.counters.syncs += 1
             self._refresh_served()
             self.averaging.set_state_priority(self.version)
             self.log(f"synced global state v{self.version} (fragments {changed}) sha "
                      f"{whole_sha256(self.states)[:12]} from peers (local progress kept)")
-            return changed
-        return []
+        return changed
 
     def _reconcile(self, frag: Fragment, theirs: GlobalState) -> bool:
         """Take a peer's state of one fragment if it is ahead of ours; merge if it is a sibling lineage."""
         ours = self.states[frag.index]
-        if theirs.sha256() == ours.sha256() or ours.descends_from(theirs.version, theirs.sha256()):
-            return False  # the same, or behind us
+        if _same_or_behind(ours, theirs):
+            return False
         if theirs.descends_from(ours.version, ours.sha256()):
             new = theirs  # ahead of us on our own lineage: catch up
         else:
@@ -338,30 +366,27 @@ class Learner:
         return max((r.fragment_version(fragment) for p, r in records.items()
                     if p != self.peer_id and r.status != "left"), default=0)
 
-    def _catch_up(self) -> list[int]:
-        """Before contributing: take newer state from peers, and heal sibling lineages (split brain).
-
-        Returns the fragments that changed.
-        """
+    def _behind(self) -> tuple[list[str], list[int], str]:
+        """Peers to download from (newest first), the fragments to take and why, from the progress records."""
         records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
         live = {p: r for p, r in records.items() if r.status != "left"}
-        ahead, siblings = [], []
+        ahead, siblings, fragments = {}, {}, set()
         for p, r in live.items():
             for f in self.fragments:
                 mine = self.states[f.index]
                 v, sha = r.fragment_version(f.index), r.fragment_sha(f.index)
                 if v > mine.version:
-                    ahead.append((v, random.random(), p))
-                    break
-                if v == mine.version and sha and sha != mine.sha256():
-                    siblings.append((v, random.random(), p))
-                    break
+                    ahead[p] = max(ahead.get(p, (0, 0.0)), (v, random.random()))
+                    fragments.add(f.index)
+                elif v == mine.version and sha and sha != mine.sha256():
+                    siblings[p] = max(siblings.get(p, (0, 0.0)), (v, random.random()))
+                    fragments.add(f.index)
         if ahead or siblings:
             # Newest first; random among equals, so that many joiners spread over the peers that serve.
-            peers = [p for *_, p in sorted(ahead, reverse=True)] + [p for *_, p in sorted(siblings, reverse=True)]
+            peers = [p for p, _ in sorted(ahead.items(), key=lambda kv: kv[1], reverse=True)]
+            peers += [p for p, _ in sorted(siblings.items(), key=lambda kv: kv[1], reverse=True) if p not in ahead]
             reason = "is ahead of" if ahead else "holds a sibling lineage of"
-            self.log(f"the swarm {reason} our version {self.version}: downloading")
-            return self._download_newer_state(peers)
+            return peers, sorted(fragments), reason
         target = self.cfg.run.max_outer_steps
         finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
         if finished and self.version < target and not live:
@@ -369,7 +394,47 @@ class Learner:
                 f"the swarm already finished at version {max(finished)} and no running peer serves that "
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
+        return [], [], ""
+
+    def _catch_up(self, background: bool = False) -> list[int]:
+        """Before contributing: take newer state from peers, and heal sibling lineages (split brain).
+
+        Returns the fragments that changed. ``background``: start the download in a thread and
+        return at once; inner steps go on, and :meth:`_poll_download` adopts the state when it has
+        arrived (rounds of those fragments wait for it).
+        """
+        if self.download is not None:
+            return []
+        peers, fragments, reason = self._behind()
+        if not fragments:
+            return []
+        self.log(f"the swarm {reason} our version {self.version} of fragments {fragments}: downloading"
+                 f"{' in the background' if background else ''}")
+        if not background:
+            return self._download_newer_state(peers, fragments)
+        task = Download(fragments=tuple(fragments), started=time.perf_counter())
+
+        def fetch() -> None:
+            task.result = self._fetch_state(peers, fragments)
+
+        task.thread = threading.Thread(target=fetch, daemon=True, name="state-download")
+        self.download = task
+        task.thread.start()
         return []
+
+    def _poll_download(self) -> None:
+        """Adopt a background download once it has arrived (and no round of its fragments is running)."""
+        task = self.download
+        if task is None or task.thread is None or task.thread.is_alive():
+            return
+        if self.inflight is not None and self.inflight.fragment.index in task.fragments:
+            return  # that round holds the fragment's state; adopt after it
+        self.download = None
+        self.counters.download_seconds += time.perf_counter() - task.started
+        busy = self.inflight.fragment.index if self.inflight is not None else None
+        theirs = {f: state for f, state in (task.result or {}).items() if f != busy}
+        if theirs:
+            self._adopt(theirs)
 
     # ---- training ------------------------------------------------------------------------
     def _inner_step(self) -> float:
@@ -491,31 +556,47 @@ class Learner:
 
     def _sync_due_fragments(self) -> None:
         target = self.cfg.run.max_outer_steps
+        now = time.monotonic()
         for frag in self._due():
+            # On the clock schedule a slot stays open while the group forms (matchmaking time): a
+            # learner whose previous round is about to end still joins. On the steps schedule the
+            # slot waits for the previous round (the overlap budget ran out).
+            patience = self.cfg.averaging.matchmaking_time if self.clock is not None else float("inf")
+            self._pending[frag.index] = now + patience
+        for f in list(self._pending):
+            frag = self.fragments[f]
             if self.inflight is not None:
-                if self.clock is not None:
-                    # On the clock schedule a learner that is still busy with the previous round skips
-                    # this slot rather than fall further behind; the fragment's progress waits for its
-                    # next slot.
-                    self.log(f"skipped fragment {frag.index}'s slot: fragment {self.inflight.fragment.index}'s "
+                done = self.inflight.thread is None or not self.inflight.thread.is_alive()
+                if done or self.clock is None:
+                    self._finish_round()  # its result is ready (or the overlap budget ran out): apply it now
+                elif now < self._pending[f]:
+                    continue  # keep training; look again after the next inner step
+                else:
+                    del self._pending[f]
+                    # The fragment's progress waits for its next slot.
+                    self.log(f"skipped fragment {f}'s slot: fragment {self.inflight.fragment.index}'s "
                              "round is still in flight")
                     continue
-                self._finish_round()  # the overlap budget ran out: wait for the previous round
-            caught_up = self._catch_up()
-            if target is not None and self.states[frag.index].version >= target:
+            del self._pending[f]
+            background = self.cfg.sync.overlap_steps > 0
+            caught_up = self._catch_up(background=background)
+            if self.download is not None and f in self.download.fragments:
+                self.log(f"fragment {f}: its newer state is on the way; contributing at its next slot")
                 continue
-            if frag.index in caught_up and self.cfg.sync.overlap_steps > 0 and self.clock is None:
+            if target is not None and self.states[f].version >= target:
+                continue
+            if f in caught_up and background and self.clock is None:
                 # The swarm just committed this fragment without us: its next round is about H steps
                 # away, and so is our next sync of it. Skipping now puts us back in phase instead of
                 # waiting alone for a group (our progress stays in θ and counts next time).
-                self.log(f"fragment {frag.index}: caught up to the swarm's version; contributing at its next round")
+                self.log(f"fragment {f}: caught up to the swarm's version; contributing at its next round")
                 continue
             self._start_round(frag)
-            if self.cfg.sync.overlap_steps == 0 and self._last_superseded:
+            if not background and self._last_superseded:
                 # We were late for the swarm's round: take its newer Θ (our steps are rebased onto it)
                 # and join the next round right away, so we fall back into step with the others.
                 self._catch_up()
-                if target is None or self.states[frag.index].version < target:
+                if target is None or self.states[f].version < target:
                     self._start_round(frag)
 
     @property
@@ -618,6 +699,7 @@ class Learner:
             losses.append(self._inner_step())
             if self.inflight is not None and c.inner_steps >= self.inflight.apply_at:
                 self._finish_round()
+            self._poll_download()
             self._sync_due_fragments()
             if c.inner_steps % cfg.run.log_every == 0:
                 rate = len(losses) / (time.perf_counter() - started_at)
@@ -629,6 +711,9 @@ class Learner:
                 losses, started_at = [], time.perf_counter()
         if self.inflight is not None:
             self._finish_round()
+        if self.download is not None and self.download.thread is not None:
+            self.download.thread.join(timeout=self.cfg.averaging.next_chunk_timeout)
+            self._poll_download()
         self._checkpoint()  # keeps inner steps taken since the last round
 
     def summary(self) -> dict[str, Any]:
@@ -647,6 +732,7 @@ class Learner:
             "compute_seconds": c.compute_seconds,
             "train_seconds": c.train_seconds,
             "wait_seconds": c.wait_seconds,
+            "download_seconds": c.download_seconds,
             "first_eval_loss": c.first_eval_loss,
             "last_eval_loss": self.evaluate(self.global_params()),
             "version": self.version,
@@ -672,41 +758,46 @@ class Learner:
 
 
 def _parse_downloaded(
-    meta: Any, tensors: list[torch.Tensor], current: list[GlobalState]
-) -> tuple[list[GlobalState], str]:
-    """Per-fragment states from a peer's download, each verified against its advertised hash."""
+    meta: Any, tensors: list[torch.Tensor], current: list[GlobalState], fragments: Sequence[int] | None = None
+) -> tuple[dict[int, GlobalState], str]:
+    """Per-fragment states from a peer's download, each verified against its advertised hash.
+
+    ``fragments``: the fragments whose tensors the download holds (all when None); the metadata
+    always describes every fragment.
+    """
     if not isinstance(meta, dict):
-        return [], "metadata is not a map"
+        return {}, "metadata is not a map"
     p = len(current)
+    wanted = list(range(p)) if fragments is None else list(fragments)
     for key, typ in (("versions", int), ("shas", str), ("momentum_initialized", bool), ("tokens", int),
                      ("histories", list)):
         value = meta.get(key)
         if not isinstance(value, list) or len(value) != p or not all(isinstance(v, typ) for v in value):
-            return [], f"metadata field {key} missing or malformed"
-    expected = [t for s in current for t in s.tensors()]
+            return {}, f"metadata field {key} missing or malformed"
+    expected = [t for f in wanted for t in current[f].tensors()]
     if len(tensors) != len(expected):
-        return [], f"expected {len(expected)} tensors, got {len(tensors)}"
+        return {}, f"expected {len(expected)} tensors, got {len(tensors)}"
     for t, ref in zip(tensors, expected, strict=True):
         if t.shape != ref.shape:
-            return [], f"tensor of shape {tuple(t.shape)} where {tuple(ref.shape)} was expected"
+            return {}, f"tensor of shape {tuple(t.shape)} where {tuple(ref.shape)} was expected"
         if not torch.isfinite(t).all():
-            return [], "tensor holds NaN or Inf"
-    states, start = [], 0
-    for f, cur in enumerate(current):
-        n = len(cur.params)
+            return {}, "tensor holds NaN or Inf"
+    states, start = {}, 0
+    for f in wanted:
+        n = len(current[f].params)
         chunk = [t.float().clone() for t in tensors[start:start + 2 * n]]
         start += 2 * n
         version, init = meta["versions"][f], meta["momentum_initialized"][f]
         if state_sha256(chunk, version, init, meta["tokens"][f]) != meta["shas"][f]:
-            return [], f"hash of fragment {f} does not match the advertised sha256"
+            return {}, f"hash of fragment {f} does not match the advertised sha256"
         history = meta["histories"][f]
         if not (isinstance(history, list) and len(history) <= 2 * HISTORY_LENGTH and all(
             isinstance(h, list) and len(h) == 2 and isinstance(h[0], int) and isinstance(h[1], str) for h in history
         )):
-            return [], f"history of fragment {f} is malformed"
-        states.append(GlobalState(params=chunk[:n], momentum=chunk[n:], version=version,
-                                  momentum_initialized=init, tokens=meta["tokens"][f],
-                                  history=[(v, h) for v, h in history]))
+            return {}, f"history of fragment {f} is malformed"
+        states[f] = GlobalState(params=chunk[:n], momentum=chunk[n:], version=version,
+                                momentum_initialized=init, tokens=meta["tokens"][f],
+                                history=[(v, h) for v, h in history])
     return states, ""
 
 

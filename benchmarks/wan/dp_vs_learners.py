@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -245,6 +246,17 @@ def _links(dp_dir: Path, work: Path, rate: str) -> dict:
     return {"printed": {"up": float(m.group(1)) * 1e6 * steps}}
 
 
+def reuse_dp(workdirs: list[Path], rates: list[str], work: Path) -> None:
+    """Copy ``dp-reference`` and each rate's ``dp-<rate>`` from the first earlier workdir that has it."""
+    for name in ["reference", *rates]:
+        src = next((w / f"dp-{name}" for w in workdirs if (w / f"dp-{name}" / "rank-0.json").exists()), None)
+        if src is None:
+            raise SystemExit(f"error: no dp-{name} run in {', '.join(map(str, workdirs))}")
+        shutil.copytree(src, work / f"dp-{name}", dirs_exist_ok=True)
+        if name != "reference" and not (src / "links.json").exists():
+            (work / f"dp-{name}" / "links.json").write_text(json.dumps(_links(src, src.parent, name)))
+
+
 def rerender(workdirs: list[Path], target: float, out: str) -> int:
     ref = dp_result(workdirs[0] / "dp-reference")
     n_target = steps_to_target(ref["curve"], target)
@@ -301,6 +313,9 @@ def main() -> int:
     p.add_argument("--from-workdirs", nargs="+", default=None, metavar="DIR",
                    help="do not train: rebuild the results from the workdirs of earlier runs (their dp-reference, "
                         "dp-<rate> and learners-<rate> folders) and print the table")
+    p.add_argument("--dp-from", nargs="+", default=None, metavar="DIR",
+                   help="do not run data parallel again: copy its reference and per-rate runs from the workdirs "
+                        "of earlier runs (same model, seeds and links) and train the learners only")
     p.add_argument("--json", default=str(RESULTS))
     a = p.parse_args()
     if a.from_workdirs:
@@ -313,7 +328,10 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"workdir {work}", flush=True)
 
-    ref = run_dp(None, a.dp_max_steps, a.target_loss, 10, work, "dp-reference", timeout=3600)
+    if a.dp_from:
+        reuse_dp([Path(w) for w in a.dp_from], a.rates.split(","), work)
+    ref = (dp_result(work / "dp-reference") if a.dp_from
+           else run_dp(None, a.dp_max_steps, a.target_loss, 10, work, "dp-reference", timeout=3600))
     n_target = steps_to_target(ref["curve"], a.target_loss)
     print(f"[dp reference, loopback] {ref['num_params']:,} params; target {a.target_loss} reached at step "
           f"{n_target}; step {ref['step_seconds_median']:.3f}s", flush=True)
@@ -324,16 +342,18 @@ def main() -> int:
         if bytes_per_step:
             estimate = bytes_per_step * 8 / rate_bits_per_second(rate) + ref["step_seconds_median"]
             dp_steps = max(4, min(a.dp_steps, int(a.dp_seconds / estimate)))
-        _, topo = topology(rate, a.max_outer_steps, work)
-        prefix = netns.run_prefix()
-        fabric = Fabric(topo, prefix, netem=False)
-        try:
-            hosts = fabric.build()[1:]
-            dp = run_dp(hosts, dp_steps, None, 10, work, f"dp-{rate}", timeout=3600)
-            links = fabric.link_bytes()
-        finally:
-            fabric.teardown()
-        (work / f"dp-{rate}" / "links.json").write_text(json.dumps(links))
+        if a.dp_from:
+            dp, links = dp_result(work / f"dp-{rate}"), _links(work / f"dp-{rate}", work, rate)
+        else:
+            _, topo = topology(rate, a.max_outer_steps, work)
+            fabric = Fabric(topo, netns.run_prefix(), netem=False)
+            try:
+                hosts = fabric.build()[1:]
+                dp = run_dp(hosts, dp_steps, None, 10, work, f"dp-{rate}", timeout=3600)
+                links = fabric.link_bytes()
+            finally:
+                fabric.teardown()
+            (work / f"dp-{rate}" / "links.json").write_text(json.dumps(links))
         dp = shaped_dp(dp, links, ref, n_target)
         bytes_per_step = dp["wan_bytes_per_step"]
         print(f"[dp {rate}] step {dp['step_seconds_median']:.2f}s (all-reduce {dp['allreduce_seconds_median']:.2f}s), "

@@ -63,3 +63,33 @@ def test_members_receive_identical_weighted_average(group, codec):
         for got, ref in zip(results[0].deltas, weighted_mean(deltas, weights), strict=True):
             assert float((got - ref).abs().max()) <= TOLERANCE[codec]
         assert sum(r.bytes_sent for r in results) > 0
+
+
+@pytest.mark.timeout(120)
+def test_fragment_download_carries_only_the_fragments_asked_for(group):
+    template, fragments, _ = group
+    dhts = [hivemind.DHT(start=True)]
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    cfg = AveragingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0, request_timeout=1.0)
+    g = torch.Generator().manual_seed(3)
+    # Served layout: for each fragment, its parameters then its momentum buffers.
+    served = [torch.randn(*template[i].shape, generator=g) for f in fragments for i in (*f, *f)]
+    meta = {"versions": [4, 9]}
+    server = HivemindAveraging(dhts[0], template, cfg, prefix="dl", fragments=fragments,
+                               state_provider=lambda: (meta, served))
+    client = HivemindAveraging(dhts[1], template, cfg, prefix="dl", fragments=fragments)
+    try:
+        for wanted, expect in (([1], served[2:]), ([0], served[:2]), (None, served)):
+            loaded = client.download_state_from(server.peer_id, timeout=20.0, fragments=wanted)
+            assert loaded is not None, wanted
+            got_meta, tensors = loaded
+            assert got_meta == meta
+            assert len(tensors) == len(expect) and all(torch.equal(a, b) for a, b in zip(tensors, expect, strict=True))
+        # Asking for a fragment that does not exist gets nothing, and the server keeps serving.
+        assert client.download_state_from(server.peer_id, timeout=5.0, fragments=[7]) is None
+        assert client.download_state_from(server.peer_id, timeout=20.0, fragments=[1]) is not None
+    finally:
+        for a in (client, server):
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()

@@ -24,6 +24,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
@@ -355,6 +356,10 @@ class HivemindAveraging:
             try:
                 result = control.result()
             except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
+                # A cancelled step's future is done at once, but its coroutine in the averager may still
+                # be matchmaking; the next round's step would then share the matchmaker with it (seen
+                # once: a group of fragment 0 with a member gathering fragment 1). Let it end first.
+                _wait_until_finished(control, self.cfg.request_timeout + self.cfg.matchmaking_time)
                 if control.cancelled() and self._superseded_by is not None:
                     raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
                 raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
@@ -433,6 +438,12 @@ class HivemindAveraging:
 class _NoGroupFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "could not find a group" not in record.getMessage()
+
+
+def _wait_until_finished(control, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _agreed_fragment(gathered: dict, num_fragments: int) -> int:

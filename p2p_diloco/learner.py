@@ -169,6 +169,8 @@ class Learner:
         self.download: Download | None = None
         self._pending: dict[int, float] = {}  # fragment → deadline (monotonic) of a slot not yet started
         self._target_loss_reached = False
+        self._swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
+        self._done_ahead = 0  # newest version seen in a peer that finished ("done")
         self._last_outcome: RoundOutcome | None = None
         self.short_id = "------"
         self._served: tuple[dict[str, Any], list[torch.Tensor]] | None = None
@@ -370,6 +372,7 @@ class Learner:
         """Peers to download from (newest first), the fragments to take and why, from the progress records."""
         records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
         live = {p: r for p, r in records.items() if r.status != "left"}
+        self._done_ahead = max([self._done_ahead] + [r.version for r in live.values() if r.status == "done"])
         ahead, siblings, fragments = {}, {}, set()
         for p, r in live.items():
             for f in self.fragments:
@@ -394,6 +397,13 @@ class Learner:
                 f"the swarm already finished at version {max(finished)} and no running peer serves that "
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
+        if self.cfg.run.stop_at_eval_loss is not None and self._done_ahead > self.version and not live:
+            # Peers stopped at the target loss ahead of us and have left while we were behind (say,
+            # mid-download over a slow link): nobody is left to merge with or to serve the state, so
+            # we stop too instead of training alone. Our local progress is in the checkpoint.
+            self._swarm_gone = True
+            self.log(f"the swarm reached the target at version {self._done_ahead} and left while we were "
+                     "behind; stopping too (local progress is in the checkpoint)", logging.WARNING)
         return [], [], ""
 
     def _catch_up(self, background: bool = False) -> list[int]:
@@ -634,7 +644,7 @@ class Learner:
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps
-        return self._target_loss_reached or (target is not None and self.version >= target)
+        return self._target_loss_reached or self._swarm_gone or (target is not None and self.version >= target)
 
     def _linger(self) -> None:
         """Serve the final state while learners still training are behind us (bounded)."""

@@ -36,6 +36,9 @@ summaries.
 
     sudo .venv/bin/python benchmarks/wan/dp_vs_learners.py                     # 50, 10, 2 mbit
     sudo .venv/bin/python benchmarks/wan/dp_vs_learners.py --rates 20mbit --target-loss 2.6
+    # learners only, data parallel's runs copied from earlier workdirs (its curve and step time do
+    # not depend on our code):
+    sudo .venv/bin/python benchmarks/wan/dp_vs_learners.py --rates 2mbit,10mbit --dp-from DIR [DIR ...]
 """
 
 from __future__ import annotations
@@ -186,8 +189,15 @@ def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: 
                          f"run.stop_at_eval_loss={target}"] for x in ("--set", o)]]
     t0 = time.monotonic()
     with (d / "regions.log").open("w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            print(f"[learners {rate}] still running after {timeout:.0f} s: stopping them (SIGTERM)", flush=True)
+            proc.terminate()  # the simulator stops its learners, writes the summary and tears down
+            proc.wait(180)
+    (d / "overrides.json").write_text(json.dumps(LEARNERS))
     return {**learners_result(d, rate), "exit_code": proc.returncode, "wall_seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -217,6 +227,7 @@ def learners_result(d: Path, rate: str) -> dict:
         "step_seconds": statistics.mean(s["compute_seconds"] / max(1, s["inner_steps"]) for s in learners.values()),
         "wan_bytes": summary["links"],
         "log": str(d / "regions.log"),
+        "learner_overrides": json.loads(o.read_text()) if (o := d / "overrides.json").exists() else None,
     }
 
 
@@ -316,8 +327,11 @@ def main() -> int:
     p.add_argument("--dp-from", nargs="+", default=None, metavar="DIR",
                    help="do not run data parallel again: copy its reference and per-rate runs from the workdirs "
                         "of earlier runs (same model, seeds and links) and train the learners only")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra learner setting, after the built-in ones (repeatable)")
     p.add_argument("--json", default=str(RESULTS))
     a = p.parse_args()
+    LEARNERS.extend(a.overrides)
     if a.from_workdirs:
         return rerender([Path(w) for w in a.from_workdirs], a.target_loss, a.json)
     if os.geteuid() != 0:

@@ -45,3 +45,40 @@ def test_whole_download_and_mismatches_are_refused_with_a_reason():
     assert "hash of fragment 1" in problem
     _, problem = _parse_downloaded("junk", whole, ours)
     assert problem == "metadata is not a map"
+
+
+class Board:
+    def __init__(self, records):
+        self.records = records
+
+    def read(self):
+        return dict(self.records)
+
+
+def learner_behind(records, stop_at=2.5):
+    from p2p_diloco.config import load_learner_config
+    from p2p_diloco.fragments import build_fragments
+    from p2p_diloco.learner import Learner
+
+    overrides = ["sync.fragments=2"] + ([f"run.stop_at_eval_loss={stop_at}"] if stop_at else [])
+    learner = Learner(load_learner_config(None, overrides))
+    learner.peer_id, learner.board, learner.states = "me", Board(records), states()
+    learner.fragments = build_fragments([("a", torch.Size([4, 5])), ("b", torch.Size([7]))], 2, 10)
+    return learner
+
+
+def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
+    from p2p_diloco.records import ProgressRecord
+
+    ahead = ProgressRecord(9, "0" * 64, 10, "done", versions=(9, 9), shas=("a" * 64, "b" * 64))
+    learner = learner_behind({"me": ahead, "peer": ahead})
+    peers, fragments, _ = learner._behind()
+    assert peers == ["peer"] and fragments == [0, 1] and not learner._finished()
+    learner.board.records = {"peer": ProgressRecord(9, "0" * 64, 10, "left")}
+    assert learner._behind() == ([], [], "") and learner._finished()
+    # Without a target loss, a learner left alone trains on (the others may have been interrupted).
+    alone = learner_behind({"peer": ahead}, stop_at=None)
+    alone._behind()
+    alone.board.records = {}
+    alone._behind()
+    assert not alone._finished()

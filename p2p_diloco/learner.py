@@ -374,6 +374,7 @@ class Learner:
         live = {p: r for p, r in records.items() if r.status != "left"}
         self._done_ahead = max([self._done_ahead] + [r.version for r in live.values() if r.status == "done"])
         ahead, siblings, fragments = {}, {}, set()
+        mine_shas = [s.sha256() for s in self.states] if live else []  # hashing a fragment is not free
         for p, r in live.items():
             for f in self.fragments:
                 mine = self.states[f.index]
@@ -381,7 +382,7 @@ class Learner:
                 if v > mine.version:
                     ahead[p] = max(ahead.get(p, (0, 0.0)), (v, random.random()))
                     fragments.add(f.index)
-                elif v == mine.version and sha and sha != mine.sha256():
+                elif v == mine.version and sha and sha != mine_shas[f.index]:
                     siblings[p] = max(siblings.get(p, (0, 0.0)), (v, random.random()))
                     fragments.add(f.index)
         if ahead or siblings:

@@ -357,8 +357,9 @@ class HivemindAveraging:
                 result = control.result()
             except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
                 # A cancelled step's future is done at once, but its coroutine in the averager may still
-                # be matchmaking; the next round's step would then share the matchmaker with it (seen
-                # once: a group of fragment 0 with a member gathering fragment 1). Let it end first.
+                # be matchmaking; the next round's step would then share the matchmaker with it (seen in
+                # a 2 Mbit/s benchmark run: a group of fragment 0 with a member gathering fragment 1).
+                # Let it end first.
                 _wait_until_finished(control, self.cfg.request_timeout + self.cfg.matchmaking_time)
                 if control.cancelled() and self._superseded_by is not None:
                     raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None

@@ -309,10 +309,6 @@ class Learner:
         self.faults.fire("serve", self.version)
         return served
 
-    def _download_newer_state(self, peers: list[str] = (), fragments: Sequence[int] | None = None) -> list[int]:
-        """Adopt newer or sibling global state from ``peers`` (or any peer); rebase local progress onto it."""
-        return self._adopt(self._fetch_state(peers, fragments))
-
     def _fetch_state(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None) -> dict[int, GlobalState]:
         """Download and verify ``fragments`` (all when None) from the first of ``peers`` that serves them,
         else the whole state from any peer. Touches no learner state: safe in a background thread."""
@@ -422,7 +418,7 @@ class Learner:
         self.log(f"the swarm {reason} our version {self.version} of fragments {fragments}: downloading"
                  f"{' in the background' if background else ''}")
         if not background:
-            return self._download_newer_state(peers, fragments)
+            return self._adopt(self._fetch_state(peers, fragments))
         task = Download(fragments=tuple(fragments), started=time.perf_counter())
 
         def fetch() -> None:
@@ -590,17 +586,15 @@ class Learner:
                     continue
             del self._pending[f]
             background = self.cfg.sync.overlap_steps > 0
-            caught_up = self._catch_up(background=background)
+            self._catch_up(background=background)
             if self.download is not None and f in self.download.fragments:
+                # The swarm committed this fragment without us. Skipping this round (rather than
+                # waiting alone for a group) keeps us in phase: on the steps schedule the swarm's next
+                # round of it is about H steps away, as is ours. Our progress stays in θ and counts
+                # next time.
                 self.log(f"fragment {f}: its newer state is on the way; contributing at its next slot")
                 continue
             if target is not None and self.states[f].version >= target:
-                continue
-            if f in caught_up and background and self.clock is None:
-                # The swarm just committed this fragment without us: its next round is about H steps
-                # away, and so is our next sync of it. Skipping now puts us back in phase instead of
-                # waiting alone for a group (our progress stays in θ and counts next time).
-                self.log(f"fragment {f}: caught up to the swarm's version; contributing at its next round")
                 continue
             self._start_round(frag)
             if not background and self._last_superseded:

@@ -21,6 +21,7 @@ time blocked waiting for a group and steps lost since the last checkpoint all co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -207,11 +208,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="decoupled,sync,clean")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
     args = ap.parse_args()
     schedule = failure_schedule(args.seed, args.learners, args.mtbf, args.duration)
     print(f"failure schedule (seed {args.seed}): {[(round(t, 1), i) for t, i in schedule]}", flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+    workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="chaos-")
+    with workdir as tmp:
         for mode in args.modes.split(","):
             print(f"running {mode} ...", flush=True)
             r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode)

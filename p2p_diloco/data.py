@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +71,26 @@ def _pieces(name: str, raw: bytes) -> Iterator[tuple[str, bytes]]:
 
 def load_split(cfg: DataConfig, shard_index: int | None) -> torch.Tensor:
     """Bytes of one shard (``shard_index``) or of the eval split (None), as a uint8 tensor."""
+    return load_splits(cfg, [shard_index])[shard_index]
+
+
+def load_splits(cfg: DataConfig, splits: Sequence[int | None]) -> dict[int | None, torch.Tensor]:
+    """Several splits in one pass over the corpus (a learner needs its shard and the eval split).
+
+    Each split gets exactly what ``load_split`` alone would give it: whole files in corpus order
+    until its own ``data.max_corpus_mb`` is reached. Reading the corpus once instead of twice
+    shortens a learner's (re)start.
+    """
     root = Path(cfg.path).expanduser() if cfg.path else default_corpus_root()
     if not root.exists():
         raise DataError(f"data path {root} does not exist")
     limit = int(cfg.max_corpus_mb * 1e6)
-    chunks, total = [], 0
+    chunks: dict[int | None, list[bytes]] = {s: [] for s in splits}
+    totals = dict.fromkeys(splits, 0)
     for name, path in _list_documents(root):
+        open_splits = {s for s in splits if totals[s] < limit}
+        if not open_splits:
+            break
         try:
             raw = path.read_bytes()
         except OSError:
@@ -84,18 +98,20 @@ def load_split(cfg: DataConfig, shard_index: int | None) -> torch.Tensor:
         if b"\0" in raw[:4096]:
             continue
         for piece_name, piece in _pieces(name, raw):
-            if _split_of(piece_name, cfg) == shard_index:
-                chunks.append(piece)
-                total += len(piece)
-        if total >= limit:
-            break
-    what = "eval split" if shard_index is None else f"shard {shard_index}/{cfg.num_shards}"
-    data = b"\n".join(chunks)
-    if len(data) < 4 * 1024:
-        raise DataError(
-            f"{what} of {root} holds only {len(data)} bytes; give more text or lower data.num_shards"
-        )
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            split = _split_of(piece_name, cfg)
+            if split in open_splits:
+                chunks[split].append(piece)
+                totals[split] += len(piece)
+    out = {}
+    for s in splits:
+        data = b"\n".join(chunks[s])
+        if len(data) < 4 * 1024:
+            what = "eval split" if s is None else f"shard {s}/{cfg.num_shards}"
+            raise DataError(
+                f"{what} of {root} holds only {len(data)} bytes; give more text or lower data.num_shards"
+            )
+        out[s] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
 
 
 @dataclass

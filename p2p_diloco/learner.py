@@ -47,7 +47,7 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.averaging import HivemindAveraging
 from p2p_diloco.checkpoint import claim_checkpoint_dir, load_checkpoint, save_checkpoint
 from p2p_diloco.config import LearnerConfig
-from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_split, shard_for_peer
+from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.fragments import ClockSchedule, Fragment, build_fragments, due_fragments
 from p2p_diloco.grace import GraceWindow
@@ -213,8 +213,8 @@ class Learner:
             shard = shard_for_peer(self.dht.peer_id.to_bytes(), cfg.data.num_shards)
         self.shard = shard
         self.log(f"checkpoints in {self.ckpt_dir}; data shard {shard}/{cfg.data.num_shards}")
-        train = load_split(cfg.data, shard)
-        evaluation = load_split(cfg.data, None)
+        splits = load_splits(cfg.data, [shard, None])
+        train, evaluation = splits[shard], splits[None]
         if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
             raise DataError(f"data shard or eval split is shorter than model.seq_len ({cfg.model.seq_len})")
         self.sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import DataConfig
-from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_split
+from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_split, load_splits
 
 
 @pytest.fixture
@@ -27,6 +27,20 @@ def test_shards_partition_the_corpus_and_exclude_eval(corpus):
 def test_default_corpus_is_the_stdlib():
     cfg = DataConfig(num_shards=64, max_corpus_mb=0.5)
     assert len(load_split(cfg, 5)) > 100_000
+
+
+def test_one_pass_gives_each_split_what_loading_it_alone_gives():
+    cfg = DataConfig(num_shards=8, max_corpus_mb=0.3)
+    both = load_splits(cfg, [3, None])
+    assert torch.equal(both[3], load_split(cfg, 3))
+    assert torch.equal(both[None], load_split(cfg, None))
+
+
+def test_one_pass_over_a_directory_matches_separate_loads(corpus):
+    cfg = DataConfig(path=str(corpus), num_shards=3, eval_fraction=0.1, max_corpus_mb=0.02)
+    both = load_splits(cfg, [1, None])
+    assert torch.equal(both[1], load_split(cfg, 1)) and torch.equal(both[None], load_split(cfg, None))
+    assert len(both[1]) < 60 * 3000 / 3  # the limit cut this split short
 
 
 def test_sampler_is_reproducible_and_resumable(corpus):

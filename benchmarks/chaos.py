@@ -100,6 +100,9 @@ def failure_schedule(seed: int, m: int, mtbf: float, duration: float) -> list[tu
 
 
 def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work: Path) -> dict:
+    if work.exists() and any(work.iterdir()):
+        # Learners start with --resume and summaries are read back: an old run's files would leak in.
+        raise SystemExit(f"error: {work} is not empty (an earlier run's checkpoints would be resumed)")
     work.mkdir(parents=True, exist_ok=True)
     maddrs = work / "bootstrap.maddrs"
     boot = Proc("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity",

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import load_learner_config  # noqa: E402
-from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split  # noqa: E402
+from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
 from p2p_diloco.model import build_model  # noqa: E402
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
 
@@ -37,8 +37,8 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
     torch.set_num_threads(1)
     kind, h, lr, mu = variant
     cfg = load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}"])
-    evals = fixed_eval_batches(load_split(cfg.data, None), cfg.model.seq_len, cfg.inner.batch_size,
-                               cfg.data.eval_batches)
+    splits = load_splits(cfg.data, [None, *range(m)])  # one pass over the corpus for all of them
+    evals = fixed_eval_batches(splits[None], cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches)
 
     @torch.no_grad()
     def evaluate(model):
@@ -58,7 +58,7 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg.inner.grad_clip)
         opt.step()
 
-    samplers = [BatchSampler(load_split(cfg.data, i), cfg.model.seq_len, cfg.inner.batch_size,
+    samplers = [BatchSampler(splits[i], cfg.model.seq_len, cfg.inner.batch_size,
                              seed=cfg.run.seed * 7919 + i) for i in range(m)]
     base = build_model(cfg.model, cfg.run.seed)
     curve = [(0, evaluate(base))]

@@ -8,18 +8,18 @@ import torch
 import torch.distributed as dist
 
 from p2p_diloco.config import LearnerConfig
-from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_split
+from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits
 from p2p_diloco.model import build_model
 
 
 def setup_rank(cfg: LearnerConfig, rank: int):
     """Rank r's sampler over data shard r (a learner's seed rule), the eval batches (rank 0 only), the
     model (the learners' seed) and AdamW with the learners' inner hyperparameters."""
-    sampler = BatchSampler(load_split(cfg.data, rank), cfg.model.seq_len, cfg.inner.batch_size,
-                           seed=cfg.run.seed * 7919 + rank)
+    splits = load_splits(cfg.data, [rank, None] if rank == 0 else [rank])
+    sampler = BatchSampler(splits[rank], cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + rank)
     eval_batches = None
     if rank == 0:
-        eval_batches = fixed_eval_batches(load_split(cfg.data, None), cfg.model.seq_len, cfg.inner.batch_size,
+        eval_batches = fixed_eval_batches(splits[None], cfg.model.seq_len, cfg.inner.batch_size,
                                           cfg.data.eval_batches)
     model = build_model(cfg.model, cfg.run.seed)
     params = list(model.parameters())

@@ -151,6 +151,11 @@ class RunConfig(_Section):
         None, gt=0.0, description="stop once the global model's eval loss, measured after each outer step, is at or "
                                   "below this")
     checkpoint_dir: str | None = None
+    checkpoint_on_commit: bool = Field(
+        True, description="also checkpoint right after each committed round, not only after each outer step: a "
+                          "kill then loses only the steps since the last merge")
+    eval_every: int = Field(1, ge=1, description="outer steps between evals (the progress line's eval_loss and the "
+                                                 "stop_at_eval_loss check)")
     resume: bool = False
     summary: str | None = None
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads")

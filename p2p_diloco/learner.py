@@ -174,6 +174,7 @@ class Learner:
         self._last_outcome: RoundOutcome | None = None
         self.short_id = "------"
         self._served: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str, level: int = logging.INFO) -> None:
@@ -546,6 +547,8 @@ class Learner:
             c.missed_versions[f] = 0
             self._refresh_served()
             self.averaging.set_state_priority(self.version)
+            if cfg.run.checkpoint_on_commit:
+                self._checkpoint()
         else:
             c.rounds_failed += 1
         status = "committed" if out.committed else f"not committed ({out.reason}); local progress kept"
@@ -621,6 +624,11 @@ class Learner:
             self._publish(self._status)
 
     def _checkpoint(self) -> None:
+        c = self.counters
+        mark = (c.inner_steps, c.outer_steps, c.syncs, c.merges)
+        if mark == self._checkpointed:
+            return  # nothing new since the last one (a commit at the end of an outer step)
+        self._checkpointed = mark
         payload = {
             "format": 2,
             "config": self.cfg.model_dump(),
@@ -653,15 +661,16 @@ class Learner:
             self.stop.wait(1.0)
 
     def _end_of_outer_step(self, losses: list[float]) -> None:
-        c = self.counters
-        eval_loss = self.evaluate()
+        c, cfg = self.counters, self.cfg
+        evaluate = (c.inner_steps // cfg.inner.steps_per_outer) % cfg.run.eval_every == 0
         busy = c.compute_seconds / max(1e-9, c.compute_seconds + c.wait_seconds)
         train_loss = sum(losses) / max(1, len(losses))
         self.log(f"outer step done | version {self.version} tokens {c.tokens} train_loss {train_loss:.4f} "
-                 f"eval_loss {eval_loss:.4f} compute {busy:.1%} sent {c.bytes_sent / 1e6:.3f} MB total "
-                 f"global_tokens {min(s.tokens for s in self.states)} steps_merged {c.steps_merged:.0f}")
-        target = self.cfg.run.stop_at_eval_loss
-        if target is not None:
+                 f"{f'eval_loss {self.evaluate():.4f} ' if evaluate else ''}compute {busy:.1%} sent "
+                 f"{c.bytes_sent / 1e6:.3f} MB total global_tokens {min(s.tokens for s in self.states)} "
+                 f"steps_merged {c.steps_merged:.0f}")
+        target = cfg.run.stop_at_eval_loss
+        if target is not None and evaluate:
             global_loss = self.evaluate(self.global_params())
             self._target_loss_reached = global_loss <= target
             self.log(f"global model eval_loss {global_loss:.4f} at version {self.version} (target {target:g}"

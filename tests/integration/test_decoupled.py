@@ -1,6 +1,10 @@
 """Decoupled DiLoCo with real learners: fragments, overlap, low-bit outer gradients, mixed speeds."""
 
+import re
+import signal
+
 import pytest
+import torch
 
 from .test_swarm import _assert_one_lineage
 
@@ -35,3 +39,31 @@ def test_slow_learner_on_the_clock_schedule_merges_its_tokens(swarm):
         assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, range(3), 3)
     assert summaries[2]["outer_steps"] >= 2, slow.text()  # its tokens were merged in several rounds
+
+
+@pytest.mark.timeout(300)
+def test_a_learner_killed_after_a_merge_keeps_that_merge_in_its_checkpoint(swarm):
+    """With overlap, fragment rounds commit between outer steps; each commit is checkpointed at once.
+
+    The fault fires at the first inner step after the learner's last fragment reached version 1,
+    two steps after the end-of-outer-step checkpoint: only a checkpoint written at the commit holds
+    that version (and the steps it merged). The survivors also check ``run.eval_every``.
+    """
+    swarm.start_bootstrap()
+    survivors = [swarm.start_learner(i, max_outer_steps=3, extra=[*DECOUPLED, "--set", "run.eval_every=2"])
+                 for i in range(2)]
+    victim = swarm.start_learner(2, max_outer_steps=3, extra=[*DECOUPLED, "--fault", "kill at round 2 during inner"])
+    assert victim.wait(200) == -signal.SIGKILL, victim.text()
+    committed: dict[int, int] = {}
+    for version, fragment in re.findall(r"outer round committed \| version (\d+) fragment (\d+)/", victim.text()):
+        committed[int(fragment)] = max(committed.get(int(fragment), 0), int(version))
+    assert committed.get(3) == 1, victim.text()  # the round that completed version 1 was this learner's own
+    ckpt = torch.load(swarm.tmp / "ckpt-2" / "latest.pt", map_location="cpu", weights_only=True)
+    assert [g["version"] for g in ckpt["global"]] == [committed.get(f, 0) for f in range(4)]
+    assert ckpt["counters"]["inner_steps"] > 24  # later than the checkpoint at the end of outer step 1
+    assert ckpt["counters"]["steps_merged"] > 0
+    for p in survivors:
+        assert p.wait(240) == 0, p.text()
+        # run.eval_every=2: only every second outer step evaluates.
+        evaluated = ["eval_loss" in line for line in re.findall(r"outer step done \| .*", p.text())]
+        assert len(evaluated) >= 3 and evaluated == [k % 2 == 0 for k in range(1, len(evaluated) + 1)]

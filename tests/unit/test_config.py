@@ -27,6 +27,7 @@ def test_overrides_are_typed_and_dotted():
     ("inner.nope=1", "inner.nope"),
     ("averaging.request_timeout=9", "averaging"),
     ("data.shard_index=20", "data"),
+    ("run.eval_every=0", "run.eval_every"),
 ])
 def test_bad_values_name_the_field_in_one_line(override, field):
     with pytest.raises(ConfigError) as e:

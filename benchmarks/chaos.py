@@ -10,10 +10,15 @@ gaps (mean ``--mtbf / M`` for the swarm, i.e. ``--mtbf`` per learner), and resta
 - ``sync``: plain synchronous DiLoCo: one fragment, no overlap, and every round waits for all M
   learners (K = M), so a dead learner stalls the others until it is back.
 - ``clean``: ``decoupled`` without failures, for the loss comparison.
+- ``sync-clean``: ``sync`` without failures (its failure-free goodput, for the per-kill cost).
 
 Goodput = Σ over learners of (inner steps that reached the global model × that learner's seconds per
 inner step) / (M × wall time): the fraction of learner-seconds whose work was merged. Killed time,
 time blocked waiting for a group and steps lost since the last checkpoint all count as lost.
+``goodput_after_start`` divides the same merged work by the learner-seconds after each learner's
+first start-up (process start to its first inner step, the same in every mode and paid once in a
+long run); restarts after a kill still count in full. Cost per kill = (the mode's failure-free
+goodput − its goodput) × M × wall time / failures, in learner-seconds.
 
     python benchmarks/chaos.py --learners 4 --duration 150 --mtbf 60 --seed 0 --json benchmarks/results/chaos.json
 """
@@ -42,6 +47,8 @@ COMMON = [
     "--set", "model.n_embd=128", "--set", "inner.steps_per_outer=60", "--set", "averaging.matchmaking_time=2.5",
     "--set", "averaging.request_timeout=1.0", "--set", "averaging.next_chunk_timeout=5.0",
     "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=0", "--set", "run.log_every=1000",
+    # An eval costs about 3 inner steps; every 4th outer step (once a minute) keeps it near 1%.
+    "--set", "run.eval_every=4",
 ]
 # Decoupled: two fragments on the wall-clock schedule (each fragment's round every 15 s, ≈ H steps,
 # at slots shared by all learners, so a restarted learner is back in phase at its next slot), each
@@ -51,6 +58,8 @@ DECOUPLED = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=25", "--s
              "--set", "sync.schedule=clock", "--set", "sync.period_seconds=15",
              "--set", "averaging.min_group_size=2", "--set", "averaging.round_timeout=10.0"]
 MODES = {"decoupled": DECOUPLED, "clean": DECOUPLED}
+FAILURE_FREE = {"decoupled": "clean", "sync": "sync-clean"}
+READY = re.compile(r"eval_loss \d+\.\d+ before training")
 
 
 def sync_mode(m: int) -> list[str]:
@@ -113,7 +122,7 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
             raise RuntimeError("bootstrap node did not start")
         time.sleep(0.2)
     peers = maddrs.read_text().split()[0]
-    extra = [*(sync_mode(m) if mode == "sync" else MODES[mode]), "--set", f"averaging.target_group_size={m}"]
+    extra = [*(sync_mode(m) if mode.startswith("sync") else MODES[mode]), "--set", f"averaging.target_group_size={m}"]
 
     def start(i: int) -> Proc:
         return Proc(f"learner-{i}", [
@@ -126,11 +135,16 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     restarts: list[tuple[float, int]] = []
     failures = 0
     t0 = time.monotonic()
-    pending = list(schedule) if mode != "clean" else []
+    pending = list(schedule) if not mode.endswith("clean") else []
+    startup: dict[int, float] = {}  # learner → end of its first start-up (first inner step, or its first kill)
     try:
         while (now := time.monotonic() - t0) < duration:
+            for i in set(range(m)) - set(startup):
+                if READY.search(learners[i].log.read_text(errors="replace")):
+                    startup[i] = now
             while pending and pending[0][0] <= now:
                 _, i = pending.pop(0)
+                startup.setdefault(i, now)
                 if learners[i].alive():
                     learners[i].kill()
                     failures += 1
@@ -149,7 +163,11 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     for i in range(m):
         path = work / f"summary-{i}.json"
         summaries.append(json.loads(path.read_text()) if path.exists() else None)
-    return evaluate(mode, m, wall, duration, failures, summaries, work)
+    result = evaluate(mode, m, wall, duration, failures, summaries, work)
+    after_start = sum(duration - startup.get(i, duration) for i in range(m))
+    result["startup_seconds"] = [round(startup[i], 1) if i in startup else None for i in range(m)]
+    result["goodput_after_start"] = result["goodput"] * m * duration / after_start if after_start else None
+    return result
 
 
 def _counters(work: Path, i: int, summary: dict | None) -> dict | None:
@@ -202,6 +220,10 @@ def eval_at_tokens(log: Path, tokens: int) -> float | None:
     return None
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--learners", type=int, default=4)
@@ -209,7 +231,7 @@ def main() -> None:
     ap.add_argument("--mtbf", type=float, default=60.0, help="mean seconds between failures of one learner")
     ap.add_argument("--downtime", type=float, default=10.0, help="seconds before a killed learner restarts")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="decoupled,sync,clean")
+    ap.add_argument("--modes", default="decoupled,sync,clean,sync-clean")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
     args = ap.parse_args()
@@ -223,18 +245,26 @@ def main() -> None:
             r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode)
             results.append(r)
             print(json.dumps(r), flush=True)
-        clean = next((r for r in results if r["mode"] == "clean"), None)
+        by_mode = {r["mode"]: r for r in results}
+        for r in results:
+            free = by_mode.get(FAILURE_FREE.get(r["mode"], ""))
+            if free and r["failures"]:
+                r["cost_per_kill_learner_seconds"] = (free["goodput"] - r["goodput"]) * r["learners"] * \
+                    args.duration / r["failures"]
+        clean = by_mode.get("clean")
         if clean:
             for r in results:
                 if r["mode"] != "clean" and r["global_tokens"]:
                     r["clean_eval_at_same_tokens"] = eval_at_tokens(Path(tmp) / "clean" / "learner-0.log",
                                                                     r["global_tokens"])
-    print("\n| mode | learners | failures | goodput | merged / computed steps | version | lineages | NaN | "
-          "eval loss | clean eval @ same tokens | re-integrations |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| mode | learners | failures | goodput | after start-up | cost per kill (learner-s) | "
+          "merged / computed steps | version | lineages | NaN | eval loss | clean eval @ same tokens | "
+          "re-integrations |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        ce = r.get("clean_eval_at_same_tokens")
+        ce, cost = r.get("clean_eval_at_same_tokens"), r.get("cost_per_kill_learner_seconds")
         print(f"| {r['mode']} | {r['learners']} | {r['failures']} | {r['goodput']:.1%} | "
+              f"{_pct(r['goodput_after_start'])} | {'-' if cost is None else f'{cost:.0f}'} | "
               f"{r['merged_fraction_of_computed_steps']:.1%} | {r['version']} | {r['lineages']} | {r['nan']} | "
               f"{r['final_eval_loss']:.4f} | {'-' if ce is None else f'{ce:.4f}'} | {r['reintegrations']} |")
     if args.json:

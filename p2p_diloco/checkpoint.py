@@ -7,16 +7,27 @@ over ``latest.pt``: a crash mid-write leaves the previous checkpoint intact. Fil
 The directory is locked (``flock``) for the lifetime of the learner that uses it, so two learners
 on one machine never write into the same place; without ``--checkpoint-dir`` a learner takes the
 first free ``checkpoints/learner-N``.
+
+The learner does not wait for the disk: :class:`CheckpointWriter` takes a copy of its tensors and
+writes it on a background thread (0.22 s and 99 MB for ``peers/default.toml``'s model with its
+optimizer state, against a copy of a few tens of milliseconds). A newer snapshot replaces one that
+is still waiting, since only the newest checkpoint is ever resumed from.
 """
 
 from __future__ import annotations
 
+import copy
 import fcntl
+import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("p2p_diloco.checkpoint")
 
 LATEST = "latest.pt"
 FORMAT = 2  # bumped when the payload layout changes
@@ -109,3 +120,63 @@ def load_checkpoint(directory: Path) -> dict[str, Any] | None:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a p2p-diloco checkpoint")
     return payload
+
+
+class CheckpointWriter:
+    """Writes checkpoints on one background thread; :meth:`submit` only copies the payload.
+
+    At most one snapshot waits while another is written; a newer one replaces it. A failed write is
+    logged and training goes on (the state is still in memory); :meth:`flush` raises it.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._cond = threading.Condition()
+        self._pending: tuple[dict[str, Any], Callable[[], None] | None] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: CheckpointError | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
+        self._thread.start()
+
+    def submit(self, payload: dict[str, Any], before_rename: Callable[[], None] | None = None) -> None:
+        """Hand over a snapshot: its tensors are copied now, so the caller may keep changing them."""
+        snapshot = copy.deepcopy(payload)
+        with self._cond:
+            if self._closed:
+                raise CheckpointError("the checkpoint writer is closed")
+            self._pending = (snapshot, before_rename)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                (payload, hook), self._pending = self._pending, None
+                self._busy = True
+            error = None
+            try:
+                save_checkpoint(self.directory, payload, before_rename=hook)
+            except Exception as e:  # noqa: BLE001 - disk full, permissions: report, keep training
+                error = CheckpointError(f"writing a checkpoint to {self.directory} failed: {e}")
+                logger.error(str(error))
+            with self._cond:
+                self._error, self._busy = error, False
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every snapshot handed over is on disk; raise if the last write failed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout):
+                raise CheckpointError(f"a checkpoint write to {self.directory} did not finish in {timeout} s")
+            if self._error is not None:
+                raise self._error
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is waiting, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)

@@ -86,14 +86,23 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
-    def fire(self, stage: str, round_: int) -> None:
-        """Carry out the first matching fault that has not fired yet (each fires once)."""
+    def _next(self, stage: str, round_: int) -> int | None:
         for i, f in enumerate(self.faults):
             matches = f.round == round_ or (stage == "serve" and round_ >= f.round)
             if f.stage == stage and matches and i not in self._fired:
-                self._fired.add(i)
-                _execute(f)
-                return
+                return i
+        return None
+
+    def due(self, stage: str, round_: int) -> bool:
+        """Whether :meth:`fire` with these arguments would carry out a fault."""
+        return self._next(stage, round_) is not None
+
+    def fire(self, stage: str, round_: int) -> None:
+        """Carry out the first matching fault that has not fired yet (each fires once)."""
+        i = self._next(stage, round_)
+        if i is not None:
+            self._fired.add(i)
+            _execute(self.faults[i])
 
 
 def _execute(fault: Fault) -> None:

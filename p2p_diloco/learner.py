@@ -5,12 +5,14 @@ The loop, top to bottom::
     join the DHT → download the newest global state if the swarm is ahead
     repeat until every fragment's global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
         one inner step on the local shard
-        if a fragment round in flight is due (τ steps after it started): apply its result
+        if a fragment round in flight is due (τ steps after it started): apply its result, checkpoint
         for each fragment whose sync falls on this step (staggered, see fragments.py):
             catch up if the swarm moved ahead (rebase local progress onto the newer Θ)
             start its round: in the background if τ > 0, else right here
-        every H steps: eval, log, publish progress, checkpoint
+        every H steps: eval (every run.eval_every-th), log, publish progress, checkpoint
     keep serving the global state until the others have finished too (bounded), leave cleanly
+
+A checkpoint is a copy handed to a writer thread: the loop never waits for the disk.
 
 With P = 1 fragment and τ = 0 this is plain synchronous DiLoCo. A round that finds no group
 commits nothing: the fragment keeps accumulating local progress, and the next round contributes
@@ -45,7 +47,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging import HivemindAveraging
-from p2p_diloco.checkpoint import claim_checkpoint_dir, load_checkpoint, save_checkpoint
+from p2p_diloco.checkpoint import CheckpointWriter, claim_checkpoint_dir, load_checkpoint
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.faults import FaultPlan
@@ -267,6 +269,8 @@ class Learner:
             faults=self.faults,
         )
         self.averaging.set_state_priority(self.version)
+        # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
+        self.writer = CheckpointWriter(self.ckpt_dir)
 
     def _flat_fragment_indices(self) -> list[tuple[int, ...]]:
         """Fragment f's tensors are laid out consecutively in the averager's buffers."""
@@ -447,6 +451,8 @@ class Learner:
     # ---- training ------------------------------------------------------------------------
     def _inner_step(self) -> float:
         cfg, c = self.cfg, self.counters
+        if self.faults.due("inner", self.version + 1):
+            self.writer.flush()  # the fault hits the inner steps, not a checkpoint write still under way
         self.faults.fire("inner", self.version + 1)
         started = time.perf_counter()
         self.model.train()
@@ -643,7 +649,8 @@ class Learner:
             "counters": vars(self.counters).copy(),
             "sampler_cursor": self.sampler.cursor,
         }
-        save_checkpoint(self.ckpt_dir, payload, before_rename=lambda: self.faults.fire("checkpoint", self.version))
+        version = self.version
+        self.writer.submit(payload, before_rename=lambda: self.faults.fire("checkpoint", version))
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps
@@ -729,6 +736,7 @@ class Learner:
             self.download.thread.join(timeout=self.cfg.averaging.next_chunk_timeout)
             self._poll_download()
         self._checkpoint()  # keeps inner steps taken since the last round
+        self.writer.flush()
 
     def summary(self) -> dict[str, Any]:
         c = self.counters
@@ -767,6 +775,8 @@ class Learner:
             self.averaging.shutdown()
         if hasattr(self, "dht"):
             self.dht.shutdown()
+        if hasattr(self, "writer"):
+            self.writer.close(timeout=120)  # a snapshot still waiting is written before the lock goes
         if hasattr(self, "_dir_lock"):
             self._dir_lock.release()
 

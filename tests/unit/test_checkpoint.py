@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from p2p_diloco.checkpoint import CheckpointError, claim_checkpoint_dir, load_checkpoint, save_checkpoint
+from p2p_diloco.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    claim_checkpoint_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def test_save_load_roundtrip(tmp_path):
@@ -36,3 +42,37 @@ def test_checkpoint_dirs_are_exclusive(tmp_path, monkeypatch):
     assert c == a
     lock_b.release()
     lock_c.release()
+
+
+def test_writer_copies_the_payload_and_writes_in_the_background(tmp_path):
+    writer = CheckpointWriter(tmp_path)
+    x = torch.zeros(4)
+    writer.submit({"format": 2, "x": x})
+    x += 1  # training goes on changing its tensors: the snapshot keeps the values it was given
+    writer.flush(timeout=30)
+    assert torch.equal(load_checkpoint(tmp_path)["x"], torch.zeros(4))
+    for i in range(5):
+        writer.submit({"format": 2, "x": torch.full((4,), float(i))})
+    writer.close(timeout=30)  # what waits is written before the thread stops; the newest wins
+    assert torch.equal(load_checkpoint(tmp_path)["x"], torch.full((4,), 4.0))
+    with pytest.raises(CheckpointError, match="closed"):
+        writer.submit({"format": 2})
+
+
+def test_writer_reports_a_failed_write_on_flush(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+    writer = CheckpointWriter(blocker)
+    writer.submit({"format": 2})
+    with pytest.raises(CheckpointError, match="failed"):
+        writer.flush(timeout=30)
+    writer.close(timeout=30)
+
+
+def test_the_fault_hook_runs_with_the_write(tmp_path):
+    seen = []
+    writer = CheckpointWriter(tmp_path)
+    writer.submit({"format": 2}, before_rename=lambda: seen.append(list(tmp_path.glob(".latest.pt.tmp-*"))))
+    writer.flush(timeout=30)
+    writer.close()
+    assert len(seen) == 1 and len(seen[0]) == 1  # called between writing the temporary file and the rename

@@ -26,8 +26,10 @@ def test_each_fault_fires_once_and_only_where_it_matches(monkeypatch):
     plan.fire("send", 1)
     plan.fire("reduce", 2)
     assert fired == []
+    assert plan.due("send", 2) and not plan.due("send", 1)
     plan.fire("send", 2)
     plan.fire("send", 2)
     assert fired == [Fault("kill", 2, "send")]
+    assert not plan.due("send", 2)
     plan.fire("serve", 5)  # serving fires at any round from R on
     assert fired[-1] == Fault("hang", 3, "serve", 1.0)

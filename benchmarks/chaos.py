@@ -46,6 +46,9 @@ SMALL = str(ROOT / "peers" / "small-cpu.toml")
 COMMON = [
     "--set", "model.n_embd=128", "--set", "inner.steps_per_outer=60", "--set", "averaging.matchmaking_time=2.5",
     "--set", "averaging.request_timeout=1.0", "--set", "averaging.next_chunk_timeout=5.0",
+    # An all-reduce takes under 1 s here; a groupmate killed before sending anything would otherwise
+    # hold the round (and, at τ, its learners) for the default 120 s.
+    "--set", "averaging.allreduce_timeout=10.0",
     "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=0", "--set", "run.log_every=1000",
     # An eval costs about 3 inner steps; every 4th outer step (once a minute) keeps it near 1%.
     "--set", "run.eval_every=4",

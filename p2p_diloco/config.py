@@ -97,7 +97,9 @@ class AveragingConfig(_Section):
     matchmaking_time: float = Field(4.0, gt=0.0, description="min seconds a leader waits for groupmates")
     request_timeout: float = Field(2.0, gt=0.0)
     round_timeout: float = Field(15.0, gt=0.0, description="give up finding a group after this long")
-    allreduce_timeout: float = Field(120.0, gt=0.0)
+    allreduce_timeout: float = Field(
+        120.0, gt=0.0, description="give up an all-reduce this long after the group formed; a groupmate that died "
+                                   "before sending anything holds the round (and, at τ, the learner) this long")
     next_chunk_timeout: float = Field(15.0, gt=0.0)
     compression: Codec = "none"
     max_delta_norm: float = Field(1e4, gt=0.0, description="reject averaged outer gradients above this norm")

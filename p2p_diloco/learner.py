@@ -669,15 +669,15 @@ class Learner:
 
     def _end_of_outer_step(self, losses: list[float]) -> None:
         c, cfg = self.counters, self.cfg
-        evaluate = (c.inner_steps // cfg.inner.steps_per_outer) % cfg.run.eval_every == 0
+        eval_due = (c.inner_steps // cfg.inner.steps_per_outer) % cfg.run.eval_every == 0
         busy = c.compute_seconds / max(1e-9, c.compute_seconds + c.wait_seconds)
         train_loss = sum(losses) / max(1, len(losses))
         self.log(f"outer step done | version {self.version} tokens {c.tokens} train_loss {train_loss:.4f} "
-                 f"{f'eval_loss {self.evaluate():.4f} ' if evaluate else ''}compute {busy:.1%} sent "
+                 f"{f'eval_loss {self.evaluate():.4f} ' if eval_due else ''}compute {busy:.1%} sent "
                  f"{c.bytes_sent / 1e6:.3f} MB total global_tokens {min(s.tokens for s in self.states)} "
                  f"steps_merged {c.steps_merged:.0f}")
         target = cfg.run.stop_at_eval_loss
-        if target is not None and evaluate:
+        if target is not None and eval_due:
             global_loss = self.evaluate(self.global_params())
             self._target_loss_reached = global_loss <= target
             self.log(f"global model eval_loss {global_loss:.4f} at version {self.version} (target {target:g}"

@@ -18,6 +18,12 @@ format, timeouts, banning of failed senders):
    round, and a retry starts from the untouched inputs.
 
 Incoming parts that are not finite are refused and their sender is banned from the round.
+
+4. A reducer drops its whole shard when a sender fails part-way (:class:`AllOrNothingReducer`):
+   hivemind would average the parts that sender delivered with it and the rest without it. Every
+   committed round then holds each groupmate's outer gradient entirely, which is what lets a
+   learner that did not see the commit tell from the round's contributors whether its progress is
+   already in Θ (docs/resilience.md, "Exactly-once contributions").
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ from collections.abc import AsyncIterator
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
+from hivemind.averaging.partition import (
+    AllreduceException,
+    BannedException,
+    TensorPartContainer,
+    TensorPartReducer,
+)
 from hivemind.compression import CompressionInfo
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
@@ -44,6 +55,36 @@ class IncompleteAllReduce(AllreduceException):
     """Some shard of the result never arrived; the round must not be committed."""
 
 
+class AllOrNothingReducer(TensorPartReducer):
+    """Averages each part over every sender, or fails: a sender that stops part-way fails the shard.
+
+    hivemind excludes a failed sender from the parts it had not sent yet, and a sender that never
+    started at one reducer may have delivered everything to another. Here a sender that fails
+    before its last part fails the whole shard: its groupmates miss the shard and drop the round,
+    so no committed round holds part of a member's outer gradient.
+    """
+
+    failure: str | None = None
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        if self.failure is not None or self.finished.is_set():
+            return
+        received = self.num_parts_received[sender_index]
+        if received < self.num_parts:
+            self.failure = f"sender {sender_index} failed after {received} of {self.num_parts} parts"
+            if not self.current_part_future.done():
+                self.current_part_future.set_exception(AllreduceException(self.failure))
+                self.current_part_future.exception()  # retrieved here; awaiting senders get it too
+            self.finished.set()
+            return
+        super().on_sender_failed(sender_index)
+
+    async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
+        if self.failure is not None:
+            raise AllreduceException(self.failure)
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """:class:`AllReduceRunner` that returns averages (not deltas) identical across the group."""
 
@@ -56,6 +97,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         )
         self.tensor_part_container = TensorPartContainer(
             tensors, peer_fractions, return_deltas=False, **container_kwargs
+        )
+        self.tensor_part_reducer = AllOrNothingReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self._my_parts_with_info = list(self.tensor_part_container._input_parts_by_peer[my_index])

@@ -368,6 +368,8 @@ class HivemindAveraging:
                 raise RoundFailed("no group formed within the round window")
             with self._averager.get_tensors() as buffers:
                 averaged = [buffers[i].clone() for i in indices]
+        if self.faults is not None:
+            self.faults.fire("commit", version + 1)
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
         return AverageResult(

@@ -15,6 +15,8 @@ matchmaking    after the learner declared itself in the DHT for round R, before 
 send           while sending its own outer-gradient parts to the reducers
 reduce         while reducing a shard for its groupmates (after the first reply went out)
 receive        while receiving averaged shards back (after the first one arrived)
+commit         after every averaged shard arrived, before the learner applies the round (the
+               others commit it with this learner's outer gradient in it)
 checkpoint     in the middle of writing the checkpoint after round R (temporary file written)
 serve          while serving its global state to a learner that downloads it (any round >= R)
 =============  ===========================================================================
@@ -40,7 +42,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-STAGES = ("inner", "matchmaking", "send", "reduce", "receive", "checkpoint", "serve")
+STAGES = ("inner", "matchmaking", "send", "reduce", "receive", "commit", "checkpoint", "serve")
 _LINE = re.compile(
     r"^\s*(?P<action>kill|hang|drop)(?:\s+for\s+(?P<seconds>\d+(?:\.\d+)?)\s*s)?\s+at\s+round\s+(?P<round>\d+)"
     r"\s+during\s+(?P<stage>[a-z]+)\s*$"

@@ -57,6 +57,7 @@ from p2p_diloco.lifecycle import LinkedDHT
 from p2p_diloco.merging import token_weight
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import (
+    CONTRIBUTOR_VERSIONS,
     HISTORY_LENGTH,
     GlobalState,
     OuterOptimizer,
@@ -88,6 +89,8 @@ class Counters:
     compute_seconds: float = 0.0  # wall time inside inner steps
     wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
     download_seconds: float = 0.0  # wall time of background state downloads (inner steps went on)
+    # rounds this learner did not see commit whose contributors list showed its outer gradient in Θ
+    contributions_confirmed: int = 0
     train_seconds: float = 0.0  # wall time of the training loop (inner steps, rounds, evals, checkpoints)
     first_eval_loss: float | None = None
     # per fragment, since that fragment's last committed round:
@@ -106,8 +109,24 @@ class InFlight:
     tokens: int
     steps: int
     window: float
+    state: GlobalState  # the round's own copy of the fragment's state; it becomes ours if committed
     thread: threading.Thread | None = None
     outcome: RoundOutcome | None = None
+
+
+@dataclass
+class Unconfirmed:
+    """An outer gradient this learner may have given to a round it did not see commit.
+
+    The round started from ``version`` of the fragment with the learner at ``snapshot``. If the
+    swarm's state for ``version + 1`` lists this learner among its contributors, the progress up to
+    ``snapshot`` is in Θ already and must not be contributed again (docs/resilience.md).
+    """
+
+    version: int
+    snapshot: list[torch.Tensor]
+    tokens: int
+    steps: int
 
 
 @dataclass
@@ -177,6 +196,7 @@ class Learner:
         self.short_id = "------"
         self._served: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
+        self._unconfirmed: dict[int, Unconfirmed] = {}  # fragment → outer gradient of a round we did not see end
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str, level: int = logging.INFO) -> None:
@@ -287,13 +307,28 @@ class Learner:
         self.states = [
             GlobalState(params=g["params"], momentum=g["momentum"], version=g["version"],
                         momentum_initialized=g["momentum_initialized"], tokens=g["tokens"],
-                        history=[(int(v), str(h)) for v, h in g.get("history", [])])
+                        history=[(int(v), str(h)) for v, h in g.get("history", [])],
+                        contributors=[(int(v), tuple(map(str, peers))) for v, peers in g.get("contributors", [])])
             for g in payload["global"]
         ]
         self.model.load_state_dict(payload["model"])
         self.inner_opt.load_state_dict(payload["inner_opt"])
         self.counters = Counters(**payload["counters"])
         self.sampler.cursor = payload["sampler_cursor"]
+        # We may have died in a round after sending our outer gradient, and the others may have
+        # committed it. A round in flight or unconfirmed at the checkpoint is saved with its
+        # snapshot; any other fragment's progress in the checkpoint is all it could have sent.
+        saved = {int(u["fragment"]): u for u in payload.get("unconfirmed", [])}
+        for frag in self.fragments:
+            f, c = frag.index, self.counters
+            if f in saved:
+                u = saved[f]
+                self._unconfirmed[f] = Unconfirmed(int(u["version"]), list(u["snapshot"]), int(u["tokens"]),
+                                                   int(u["steps"]))
+            elif c.tokens_since_merge[f] > 0:
+                snapshot = [p.detach().clone() for p in self._local(frag)]
+                self._unconfirmed[f] = Unconfirmed(self.states[f].version, snapshot, c.tokens_since_merge[f],
+                                                   c.steps_since_merge[f])
         self.log(f"resumed from {self.ckpt_dir} at version {self.version}")
 
     # ---- state served to peers -----------------------------------------------------------
@@ -304,6 +339,7 @@ class Learner:
             "momentum_initialized": [s.momentum_initialized for s in self.states],
             "tokens": [s.tokens for s in self.states],
             "histories": [[list(h) for h in s.history] for s in self.states],
+            "contributors": [[[v, list(peers)] for v, peers in s.contributors] for s in self.states],
             "sha256": whole_sha256(self.states),
         }
         self._served = (meta, [t.clone() for s in self.states for t in s.tensors()])
@@ -359,10 +395,34 @@ class Learner:
             self.log(f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a peer's "
                      f"v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} {new.sha256()[:12]} "
                      f"weighted by tokens", logging.WARNING)
-        rebase(self._local(frag), ours.params, new.params)
+        self._rebase_onto(frag, ours, new)
         self.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.states[frag.index] = new
         return True
+
+    def _rebase_onto(self, frag: Fragment, ours: GlobalState, new: GlobalState) -> None:
+        """Move our progress on ``frag`` onto ``new``, minus an outer gradient that is already in it."""
+        f, c = frag.index, self.counters
+        pending = self._unconfirmed.pop(f, None)
+        included = None
+        if pending is not None and pending.version == ours.version and new.version > ours.version:
+            included = new.contributed(ours.version + 1, self.peer_id)
+        if not included:
+            if included is None and pending is not None and new.version > ours.version:
+                self.log(f"fragment {f}: cannot tell whether our outer gradient from version {ours.version} reached "
+                         f"version {ours.version + 1} (its contributors are not known); keeping our progress",
+                         logging.WARNING)
+            rebase(self._local(frag), ours.params, new.params)
+            return
+        # θ ← Θ_new + (θ − snapshot): what we trained since the round started is kept, what we sent is
+        # in Θ_new already. (The mix policy's formula; overwriting would drop steps that are not.)
+        rebase(self._local(frag), pending.snapshot, new.params)
+        c.tokens_since_merge[f] = max(0, c.tokens_since_merge[f] - pending.tokens)
+        c.steps_since_merge[f] = max(0, c.steps_since_merge[f] - pending.steps)
+        c.steps_merged += pending.steps / len(self.fragments)
+        c.contributions_confirmed += 1
+        self.log(f"fragment {f}: our outer gradient from version {ours.version} ({pending.steps} steps) is in version "
+                 f"{ours.version + 1}, committed by the others without us seeing it; not contributing it again")
 
     def _newest_live_version(self, fragment: int = 0) -> int:
         records = self.board.read()
@@ -502,10 +562,12 @@ class Learner:
         task = InFlight(
             fragment=frag, apply_at=c.inner_steps + cfg.sync.overlap_steps,
             snapshot=[p.detach().clone() for p in local], tokens=c.tokens_since_merge[f],
-            steps=c.steps_since_merge[f], window=window,
+            steps=c.steps_since_merge[f], window=window, state=self.states[f].copy(),
         )
+        # The round works on a copy: the training thread reads and checkpoints self.states while it
+        # runs, and must never see a fragment half-way through the outer step.
         rnd = OuterRound(
-            state=self.states[f], optimizer=self.outer_opt, averaging=self.averaging, local_params=task.snapshot,
+            state=task.state, optimizer=self.outer_opt, averaging=self.averaging, local_params=task.snapshot,
             tokens=task.tokens, inner_steps=task.steps, max_delta_norm=cfg.averaging.max_delta_norm,
             weight=weight, fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window,
         )
@@ -538,6 +600,8 @@ class Learner:
         c.bytes_sent += out.bytes_sent
         self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
         if out.committed:
+            self.states[f] = task.state
+            self._unconfirmed.pop(f, None)
             local, new = self._local(task.fragment), self.states[f].params
             with torch.no_grad():
                 for p, g, snap in zip(local, new, task.snapshot, strict=True):
@@ -557,6 +621,9 @@ class Learner:
                 self._checkpoint()
         else:
             c.rounds_failed += 1
+            if task.tokens > 0:
+                # Our outer gradient may have reached reducers whose group committed without us.
+                self._unconfirmed[f] = Unconfirmed(self.states[f].version, task.snapshot, task.tokens, task.steps)
         status = "committed" if out.committed else f"not committed ({out.reason}); local progress kept"
         self.log(
             f"outer round {status} | version {self.states[f].version} fragment {f}/{len(self.fragments)} "
@@ -641,9 +708,11 @@ class Learner:
             "global": [
                 {"params": s.params, "momentum": s.momentum, "version": s.version,
                  "momentum_initialized": s.momentum_initialized, "tokens": s.tokens,
-                 "history": [list(h) for h in s.history]}
+                 "history": [list(h) for h in s.history],
+                 "contributors": [[v, list(peers)] for v, peers in s.contributors]}
                 for s in self.states
             ],
+            "unconfirmed": self._unconfirmed_for_checkpoint(),
             "model": self.model.state_dict(),
             "inner_opt": self.inner_opt.state_dict(),
             "counters": vars(self.counters).copy(),
@@ -651,6 +720,16 @@ class Learner:
         }
         version = self.version
         self.writer.submit(payload, before_rename=lambda: self.faults.fire("checkpoint", version))
+
+    def _unconfirmed_for_checkpoint(self) -> list[dict[str, Any]]:
+        out = {f: {"fragment": f, "version": u.version, "snapshot": u.snapshot, "tokens": u.tokens, "steps": u.steps}
+               for f, u in self._unconfirmed.items()}
+        task = self.inflight
+        if task is not None:  # its outcome is unknown until it is applied
+            f = task.fragment.index
+            out[f] = {"fragment": f, "version": self.states[f].version, "snapshot": task.snapshot,
+                      "tokens": task.tokens, "steps": task.steps}
+        return list(out.values())
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps
@@ -755,6 +834,7 @@ class Learner:
             "train_seconds": c.train_seconds,
             "wait_seconds": c.wait_seconds,
             "download_seconds": c.download_seconds,
+            "contributions_confirmed": c.contributions_confirmed,
             "first_eval_loss": c.first_eval_loss,
             "last_eval_loss": self.evaluate(self.global_params()),
             "version": self.version,
@@ -819,9 +899,17 @@ def _parse_downloaded(
             isinstance(h, list) and len(h) == 2 and isinstance(h[0], int) and isinstance(h[1], str) for h in history
         )):
             return {}, f"history of fragment {f} is malformed"
+        contributors = meta.get("contributors", [[]] * p)
+        contributors = contributors[f] if isinstance(contributors, list) and len(contributors) == p else None
+        if not (isinstance(contributors, list) and len(contributors) <= 4 * CONTRIBUTOR_VERSIONS and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], list)
+            and all(isinstance(peer, str) for peer in e[1]) for e in contributors
+        )):
+            return {}, f"contributors of fragment {f} are malformed"
         states[f] = GlobalState(params=chunk[:n], momentum=chunk[n:], version=version,
                                 momentum_initialized=init, tokens=meta["tokens"][f],
-                                history=[(v, h) for v, h in history])
+                                history=[(v, h) for v, h in history],
+                                contributors=[(v, tuple(peers)) for v, peers in contributors])
     return states, ""
 
 

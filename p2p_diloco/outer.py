@@ -23,6 +23,7 @@ import torch
 from p2p_diloco.config import OuterConfig
 
 HISTORY_LENGTH = 512
+CONTRIBUTOR_VERSIONS = 32  # versions whose contributors a state remembers (see GlobalState.contributors)
 
 
 @dataclass
@@ -37,6 +38,23 @@ class GlobalState:
     # (version, sha256) of the states this one descends from, newest last: tells a descendant
     # (catch up) from a sibling lineage (split brain: merge). Not part of the hash.
     history: list[tuple[int, str]] = field(default_factory=list)
+    # (version, peer ids) for the newest versions: whose outer gradients the round that produced that
+    # version averaged. A learner whose own round failed, or that was killed, while the others
+    # committed, reads here whether its progress is already in Θ (docs/resilience.md,
+    # "Exactly-once contributions"). Not part of the hash.
+    contributors: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+
+    def record_contributors(self, version: int, peers) -> None:
+        entries = {v: tuple(p) for v, p in self.contributors}
+        entries[int(version)] = tuple(sorted(set(peers)))
+        self.contributors = sorted(entries.items())[-CONTRIBUTOR_VERSIONS:]
+
+    def contributed(self, version: int, peer: str) -> bool | None:
+        """Whether ``peer``'s outer gradient went into ``version``; None when this state does not know."""
+        for v, peers in self.contributors:
+            if v == version:
+                return peer in peers
+        return None
 
     def remember(self) -> None:
         """Record the current state in its own history (after every change of Θ)."""
@@ -67,6 +85,7 @@ class GlobalState:
             momentum_initialized=self.momentum_initialized,
             tokens=self.tokens,
             history=list(self.history),
+            contributors=list(self.contributors),
         )
 
 
@@ -173,5 +192,8 @@ def merge_lineages(a: GlobalState, b: GlobalState) -> GlobalState:
         tokens=max(first.tokens, second.tokens),
         history=sorted({tuple(h) for h in [*first.history, *second.history]}),
     )
+    for v, peers in [*first.contributors, *second.contributors]:
+        # Both lineages may have a version v; a learner in either one's round contributed to the merge.
+        merged.record_contributors(v, [*peers, *dict(merged.contributors).get(v, ())])
     merged.remember()
     return merged

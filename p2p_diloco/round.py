@@ -119,6 +119,7 @@ class OuterRound:
         self.stage = Stage.VALIDATED
         group_tokens = sum(int(m.get("tokens", 0)) for m in result.groupmates.values())
         self.optimizer.apply(self.state, averaged, tokens=group_tokens)
+        self.state.record_contributors(self.state.version, result.groupmates)
         self.stage = Stage.APPLIED
         return RoundOutcome(
             stage=self.stage,

@@ -111,3 +111,23 @@ def test_network_outage_of_one_learner(swarm):
         assert p.wait(300) == 0, p.text()
     assert "fault injection: drop" in cut.text()
     _assert_one_lineage(swarm, range(3), TARGET + 1)
+
+
+@pytest.mark.timeout(360)
+def test_killed_after_its_round_averaged_comes_back_without_contributing_it_twice(swarm):
+    """Killed between the all-reduce and its own commit: the others commit that round with its outer
+    gradient in it. The learner restarts from a checkpoint older than the round (fragment 1's progress
+    since its last merge is in it), finds itself among the round's contributors and leaves that
+    progress out of what it contributes next."""
+    two = ["--set", "sync.fragments=2"]
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 2, extra=two) for i in range(2)]
+    fault = ["--fault", "kill at round 2 during commit"]
+    victim = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=[*two, *fault])
+    assert victim.wait(200) == -signal.SIGKILL, victim.text()
+    back = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=[*two, "--resume"])
+    for p in [*learners, back]:
+        assert p.wait(240) == 0, p.text()
+    assert re.search(r"our outer gradient from version 1 \(\d+ steps\) is in version 2", back.text()), back.text()
+    summaries = _assert_one_lineage(swarm, range(3), TARGET + 2)
+    assert summaries[2]["contributions_confirmed"] >= 1

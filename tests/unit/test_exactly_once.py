@@ -1,0 +1,157 @@
+"""Exactly-once contributions: a round's contributors, all-or-nothing reducers, and the rebase that
+leaves out an outer gradient the swarm already holds."""
+
+import asyncio
+import logging
+import threading
+
+import pytest
+import torch
+from hivemind.averaging.partition import AllreduceException
+
+from p2p_diloco.allreduce import AllOrNothingReducer
+from p2p_diloco.fragments import build_fragments
+from p2p_diloco.learner import Counters, Learner, Unconfirmed, _parse_downloaded
+from p2p_diloco.outer import CONTRIBUTOR_VERSIONS, GlobalState, merge_lineages
+
+from .test_download import served, states
+
+
+def test_contributors_are_remembered_copied_and_bounded():
+    s = GlobalState(params=[torch.zeros(2)], momentum=[torch.zeros(2)])
+    s.record_contributors(1, ["b", "a", "a"])
+    assert s.contributors == [(1, ("a", "b"))]
+    assert s.contributed(1, "a") is True and s.contributed(1, "c") is False and s.contributed(2, "a") is None
+    c = s.copy()
+    c.record_contributors(2, ["c"])
+    assert s.contributed(2, "c") is None and c.contributed(2, "c") is True
+    for v in range(3, 3 + CONTRIBUTOR_VERSIONS):
+        c.record_contributors(v, ["x"])
+    assert len(c.contributors) == CONTRIBUTOR_VERSIONS and c.contributed(1, "a") is None
+
+
+def test_merged_lineages_keep_both_sides_contributors():
+    a = GlobalState(params=[torch.ones(2)], momentum=[torch.zeros(2)], version=3, tokens=10)
+    b = GlobalState(params=[torch.zeros(2)], momentum=[torch.zeros(2)], version=3, tokens=30)
+    a.record_contributors(3, ["p1", "p2"])
+    b.record_contributors(3, ["p3"])
+    b.record_contributors(2, ["p1"])
+    merged = merge_lineages(a, b)
+    assert merged.contributed(3, "p1") and merged.contributed(3, "p3") and merged.contributed(2, "p1")
+    assert merge_lineages(b, a).contributors == merged.contributors
+
+
+def _run(reducer_steps):
+    return asyncio.run(reducer_steps())
+
+
+@pytest.mark.parametrize("parts_before_failing", [0, 1])
+def test_a_sender_failing_before_its_last_part_fails_the_shard(parts_before_failing):
+    async def scenario():
+        reducer = AllOrNothingReducer([torch.Size([3]), torch.Size([3])], num_senders=3)
+        waiting = [asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(3)))]
+        if parts_before_failing:
+            waiting.append(asyncio.create_task(reducer.accumulate_part(2, 0, torch.ones(3))))
+        await asyncio.sleep(0)
+        reducer.on_sender_failed(2)
+        reducer.on_sender_failed(2)  # hivemind may report it twice
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(r, AllreduceException) for r in results), results
+        with pytest.raises(AllreduceException, match="sender 2 failed"):
+            await reducer.accumulate_part(1, 0, torch.ones(3))
+
+    _run(scenario)
+
+
+def test_a_sender_that_delivered_every_part_does_not_fail_the_shard():
+    async def scenario():
+        reducer = AllOrNothingReducer([torch.Size([2])], num_senders=2)
+        first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.full((2,), 1.0)))
+        second = asyncio.create_task(reducer.accumulate_part(1, 0, torch.full((2,), 3.0)))
+        out = await asyncio.gather(first, second)
+        reducer.on_sender_failed(1)  # after the fact: nothing to undo
+        assert reducer.failure is None and torch.equal(out[0], torch.full((2,), 2.0))
+
+    _run(scenario)
+
+
+def _learner(p: int = 2) -> Learner:
+    """A Learner with just what rebasing needs: two fragments of one tensor each."""
+    learner = Learner.__new__(Learner)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(3)) for _ in range(p)])
+    learner.params = list(model)
+    learner.fragments = build_fragments([(f"w{i}", (3,)) for i in range(p)], p, 10)
+    learner.counters = Counters(tokens_since_merge=[0] * p, steps_since_merge=[0] * p, missed_versions=[0] * p)
+    learner._unconfirmed = {}
+    learner.peer_id, learner.short_id = "me", "me"
+    learner.states = []
+    learner.stop = threading.Event()
+    return learner
+
+
+def _state(value: float, version: int, contributors=None) -> GlobalState:
+    s = GlobalState(params=[torch.full((3,), value)], momentum=[torch.zeros(3)], version=version)
+    if contributors is not None:
+        s.record_contributors(version, contributors)
+    return s
+
+
+@pytest.mark.parametrize("included", [True, False])
+def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, caplog):
+    learner = _learner()
+    frag = learner.fragments[0]
+    p = learner._local(frag)[0]
+    ours = _state(0.0, 4)
+    # We sent our progress at θ = 1 (10 steps, 640 tokens), then trained on to θ = 1.5 (5 more steps).
+    learner._unconfirmed[frag.index] = Unconfirmed(4, [torch.full((3,), 1.0)], 640, 10)
+    with torch.no_grad():
+        p.fill_(1.5)
+    learner.counters.tokens_since_merge[frag.index], learner.counters.steps_since_merge[frag.index] = 960, 15
+    new = _state(10.0, 5, ["me", "other"] if included else ["other"])
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.learner"):
+        learner._rebase_onto(frag, ours, new)
+    c = learner.counters
+    if included:  # only the 5 steps after the round are ours to contribute still
+        assert torch.allclose(p.detach(), torch.full((3,), 10.5))
+        assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (320, 5, 1)
+        assert c.steps_merged == 10 / 2 and "not contributing it again" in caplog.text
+    else:  # the round did not use it: all 15 steps are kept
+        assert torch.allclose(p.detach(), torch.full((3,), 11.5))
+        assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (960, 15, 0)
+    assert frag.index not in learner._unconfirmed
+
+
+def test_rebase_without_known_contributors_keeps_the_progress_and_says_so(caplog):
+    learner = _learner()
+    frag = learner.fragments[1]
+    learner._unconfirmed[frag.index] = Unconfirmed(2, [torch.full((3,), 1.0)], 64, 1)
+    with torch.no_grad():
+        learner._local(frag)[0].fill_(1.0)
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.learner"):
+        learner._rebase_onto(frag, _state(0.0, 2), _state(5.0, 3))  # no contributors recorded
+    assert torch.allclose(learner._local(frag)[0].detach(), torch.full((3,), 6.0))
+    assert "cannot tell" in caplog.text
+
+
+def test_an_unconfirmed_gradient_from_an_older_version_is_dropped():
+    learner = _learner()
+    frag = learner.fragments[0]
+    learner._unconfirmed[frag.index] = Unconfirmed(1, [torch.full((3,), 1.0)], 64, 1)
+    learner._rebase_onto(frag, _state(0.0, 2), _state(5.0, 3, ["me"]))  # from version 1, not 2
+    assert torch.allclose(learner._local(frag)[0].detach(), torch.full((3,), 5.0))
+    assert learner.counters.contributions_confirmed == 0 and not learner._unconfirmed
+
+
+def test_downloaded_contributors_are_parsed_and_malformed_ones_refused():
+    theirs, ours = states(), [s.copy() for s in states()]
+    theirs[1].record_contributors(5, ["peer-a", "peer-b"])
+    meta = served(theirs)
+    meta["contributors"] = [[[v, list(p)] for v, p in s.contributors] for s in theirs]
+    whole = [t.clone() for s in theirs for t in s.tensors()]
+    got, problem = _parse_downloaded(meta, whole, ours)
+    assert problem == "" and got[1].contributed(5, "peer-b") and got[0].contributed(5, "peer-b") is None
+    got, problem = _parse_downloaded(served(theirs), whole, ours)  # a peer that does not send them
+    assert problem == "" and got[1].contributors == []
+    for bad in ([[[5, "peer-a"]], []], [[["5", ["a"]]], []], "x", [[[5, [1]]], []]):
+        _, problem = _parse_downloaded({**meta, "contributors": bad}, whole, ours)
+        assert "contributors" in problem, bad

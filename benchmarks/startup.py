@@ -14,6 +14,7 @@ DIR <commit>``) in a second swarm, alternating, so before/after are measured sid
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -108,13 +109,15 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=12.0, help="seconds of training between restarts")
     ap.add_argument("--compare", help="a second checkout whose code is measured the same way")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--workdir", help="keep the logs here (default: a temporary directory)")
     args = ap.parse_args()
     codes = [ROOT] + ([Path(args.compare).resolve()] if args.compare else [])
     for code in codes:
         if not (code / "p2p_diloco" / "__init__.py").exists():
             raise SystemExit(f"error: {code} is not a p2p-diloco checkout")
     results: dict[str, list[float]] = {str(c): [] for c in codes}
-    with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
+    workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="startup-")
+    with workdir as tmp:
         # Alternate the versions in two halves (A B, then B A), so drift on the machine hits both.
         half = (args.restarts + 1) // 2
         order = [*codes, *reversed(codes)]

@@ -46,6 +46,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from p2p_diloco import STARTED
 from p2p_diloco.averaging import HivemindAveraging
 from p2p_diloco.checkpoint import CheckpointWriter, claim_checkpoint_dir, load_checkpoint
 from p2p_diloco.config import LearnerConfig
@@ -53,6 +54,7 @@ from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_sp
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.fragments import ClockSchedule, Fragment, build_fragments, due_fragments
 from p2p_diloco.grace import GraceWindow
+from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.lifecycle import LinkedDHT
 from p2p_diloco.merging import token_weight
 from p2p_diloco.model import build_model
@@ -144,7 +146,8 @@ def _same_or_behind(ours: GlobalState, theirs: GlobalState) -> bool:
     return theirs.sha256() == ours.sha256() or ours.descends_from(theirs.version, theirs.sha256())
 
 
-def start_dht(cfg: LearnerConfig, identity_path: Path | None) -> hivemind.DHT:
+def start_dht(cfg: LearnerConfig, identity_path: Path | None, wait: bool = True) -> hivemind.DHT:
+    """Start the DHT's process and join the swarm; ``wait=False`` returns at once (``wait_until_ready``)."""
     net = cfg.network
     try:
         return LinkedDHT(
@@ -154,6 +157,7 @@ def start_dht(cfg: LearnerConfig, identity_path: Path | None) -> hivemind.DHT:
             identity_path=str(identity_path) if identity_path else None,
             startup_timeout=net.startup_timeout,
             start=True,
+            await_ready=wait,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
         raise LearnerError(f"could not start or join the DHT ({type(e).__name__}: {e})".strip()) from None
@@ -197,6 +201,7 @@ class Learner:
         self._served: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
         self._unconfirmed: dict[int, Unconfirmed] = {}  # fragment → outer gradient of a round we did not see end
+        self._sampler_cursor: int | None = None  # from the checkpoint
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str, level: int = logging.INFO) -> None:
@@ -209,7 +214,10 @@ class Learner:
 
     # ---- setup ---------------------------------------------------------------------------
     def _setup(self) -> None:
+        """Start-up. The DHT's process (and its p2pd) boots and joins the swarm while this process reads
+        its data and builds the model and optimizer: a restart pays the longer of the two, not both."""
         cfg = self.cfg
+        began = time.monotonic()
         torch.set_num_threads(cfg.run.threads)
         self.ckpt_dir, self._dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
         payload = load_checkpoint(self.ckpt_dir) if cfg.run.resume else None
@@ -219,23 +227,55 @@ class Learner:
                     cfg.sync.fragments:
                 raise LearnerError(f"checkpoint in {self.ckpt_dir} was made with a different model or fragments")
 
-        self.dht = start_dht(cfg, self.ckpt_dir / "identity.key")
+        self.dht = start_dht(cfg, self.ckpt_dir / "identity.key", wait=False)
+        local_work = time.monotonic()
+        if cfg.data.shard_index is not None:
+            self._load_data(cfg.data.shard_index)
+        self._build(payload)
+        local_work = time.monotonic() - local_work
+        waited = time.monotonic()
+        self._join_dht(payload)
+        waited = time.monotonic() - waited
+        if cfg.data.shard_index is None:
+            self._load_data(shard_for_peer(self.dht.peer_id.to_bytes(), cfg.data.num_shards))
+        self.log(f"checkpoints in {self.ckpt_dir}; data shard {self.shard}/{cfg.data.num_shards}")
+        self.log(f"{len(self.fragments)} fragment(s) of {[f.numel for f in self.fragments]} values; overlap τ = "
+                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
+
+        averager = time.monotonic()
+        self.averaging = HivemindAveraging(
+            self.dht, [t for s in self.states for t in s.params], cfg.averaging,
+            prefix=f"{self.lineage}_outer", state_provider=self._serve_state,
+            newest_version=self._newest_live_version, should_stop=self.stop.is_set,
+            fragments=self._flat_fragment_indices(), codecs=[cfg.codec_for(f.index) for f in self.fragments],
+            faults=self.faults,
+        )
+        self.averaging.set_state_priority(self.version)
+        # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
+        self.writer = CheckpointWriter(self.ckpt_dir)
+        now = time.monotonic()
+        self.log(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
+                 f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
+
+    def _join_dht(self, payload: dict[str, Any] | None) -> None:
+        try:
+            self.dht.wait_until_ready()
+        except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
+            raise LearnerError(f"could not start or join the DHT ({type(e).__name__}: {e})".strip()) from None
         self.peer_id = str(self.dht.peer_id)
         self.short_id = self.peer_id[-6:]
         self.log(f"joined DHT; visible at {[str(a) for a in self.dht.get_visible_maddrs()]}")
-        # Announce ourselves at once, before the slow part of the start-up, so that learners finishing
-        # the run see a newcomer behind them and keep serving state until it has caught up.
-        self.lineage = f"{cfg.network.run_id}-{lineage_id(cfg)}"
+        # Announce ourselves at once, before the download, so that learners finishing the run see a
+        # newcomer behind them and keep serving state until it has caught up.
+        self.lineage = f"{self.cfg.network.run_id}-{lineage_id(self.cfg)}"
         self.log(f"lineage {self.lineage} (learners only meet others with the same run id and lineage settings)")
-        self.board = ProgressBoard(self.dht, self.lineage, cfg.network.record_ttl)
+        self.board = ProgressBoard(self.dht, self.lineage, self.cfg.network.record_ttl)
         version0 = min(g["version"] for g in payload["global"]) if payload is not None else 0
         self.board.publish(ProgressRecord(version0, "0" * 64, 0, "training"))
 
-        shard = cfg.data.shard_index
-        if shard is None:
-            shard = shard_for_peer(self.dht.peer_id.to_bytes(), cfg.data.num_shards)
+    def _load_data(self, shard: int) -> None:
+        cfg = self.cfg
         self.shard = shard
-        self.log(f"checkpoints in {self.ckpt_dir}; data shard {shard}/{cfg.data.num_shards}")
         splits = load_splits(cfg.data, [shard, None])
         train, evaluation = splits[shard], splits[None]
         if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
@@ -243,8 +283,13 @@ class Learner:
         self.sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard)
         self.eval_batches = fixed_eval_batches(evaluation, cfg.model.seq_len, cfg.inner.batch_size,
                                                cfg.data.eval_batches)
-        self.log(f"shard holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
+        self.log(f"shard {shard} holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
+        if self._sampler_cursor is not None:
+            self.sampler.cursor = self._sampler_cursor
 
+    def _build(self, payload: dict[str, Any] | None) -> None:
+        """Model, fragments, global state, optimizers and the checkpoint's contents: no network."""
+        cfg = self.cfg
         self.model = build_model(cfg.model, cfg.run.seed)
         self.params = list(self.model.parameters())
         named = [(n, p.shape) for n, p in self.model.named_parameters()]
@@ -268,7 +313,7 @@ class Learner:
         self.counters.tokens_since_merge = [0] * p
         self.counters.steps_since_merge = [0] * p
         self.counters.missed_versions = [0] * p
-        self.inner_opt = torch.optim.AdamW(
+        self.inner_opt = AdamW(  # torch.optim.AdamW's arithmetic, without its 2-4 s import (inner_optim.py)
             self.params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
             betas=(cfg.inner.beta1, cfg.inner.beta2),
         )
@@ -278,19 +323,6 @@ class Learner:
         if payload is not None:
             self._restore(payload)
         self._refresh_served()
-        self.log(f"{p} fragment(s) of {[f.numel for f in self.fragments]} values; overlap τ = "
-                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
-
-        self.averaging = HivemindAveraging(
-            self.dht, [t for s in self.states for t in s.params], cfg.averaging,
-            prefix=f"{self.lineage}_outer", state_provider=self._serve_state,
-            newest_version=self._newest_live_version, should_stop=self.stop.is_set,
-            fragments=self._flat_fragment_indices(), codecs=[cfg.codec_for(f.index) for f in self.fragments],
-            faults=self.faults,
-        )
-        self.averaging.set_state_priority(self.version)
-        # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
-        self.writer = CheckpointWriter(self.ckpt_dir)
 
     def _flat_fragment_indices(self) -> list[tuple[int, ...]]:
         """Fragment f's tensors are laid out consecutively in the averager's buffers."""
@@ -314,7 +346,9 @@ class Learner:
         self.model.load_state_dict(payload["model"])
         self.inner_opt.load_state_dict(payload["inner_opt"])
         self.counters = Counters(**payload["counters"])
-        self.sampler.cursor = payload["sampler_cursor"]
+        self._sampler_cursor = payload["sampler_cursor"]  # the data may load after this
+        if hasattr(self, "sampler"):
+            self.sampler.cursor = self._sampler_cursor
         # We may have died in a round after sending our outer gradient, and the others may have
         # committed it. A round in flight or unconfirmed at the checkpoint is saved with its
         # snapshot; any other fragment's progress in the checkpoint is all it could have sent.

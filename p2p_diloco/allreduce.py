@@ -98,6 +98,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container = TensorPartContainer(
             tensors, peer_fractions, return_deltas=False, **container_kwargs
         )
+        self.tensor_part_reducer.finished.set()  # hivemind's own, unused: its finalize would warn "received 0%"
         self.tensor_part_reducer = AllOrNothingReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
@@ -169,13 +170,19 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _reduce_own_shard(self) -> None:
         peer_index = self.ordered_peer_ids.index(self.peer_id)
         sender_index = self.sender_peer_ids.index(self.peer_id)
-        for part_index, (part, info) in enumerate(self._my_parts_with_info):
-            part_as_sent = decode(self._codec.compress(part, info))
-            averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, part_as_sent, weight=self.weight
-            )
-            result = decode(self._compress_result(averaged))
-            self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+        try:
+            for part_index, (part, info) in enumerate(self._my_parts_with_info):
+                part_as_sent = decode(self._codec.compress(part, info))
+                averaged = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, part_as_sent, weight=self.weight
+                )
+                result = decode(self._compress_result(averaged))
+                self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+        except BaseException:
+            # Our own shard failed (a sender stopped part-way): mark it, or the output iterator would
+            # wait for it until the all-reduce timeout.
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     def _compress_result(self, averaged: torch.Tensor):
         return self._codec.compress(averaged, CompressionInfo.from_tensor(averaged))

@@ -133,6 +133,10 @@ class SyncConfig(_Section):
         "steps", description="steps: fragment f every H steps at offset f·H/P; clock: at wall-clock slots"
     )
     period_seconds: float = Field(60.0, gt=0.0, description="clock schedule: seconds between a fragment's rounds")
+    max_wait_seconds: float | None = Field(
+        30.0, gt=0.0, description="with overlap (τ > 0): how long a learner waits at τ for a round that has not ended "
+                                  "before it trains on; the round's result is applied when it ends. None = wait for it"
+    )
     grace_gamma: float = Field(0.5, gt=0.0, lt=1.0, description="grace ≤ γ·slack")
     max_grace: float = Field(10.0, gt=0.0)
 

@@ -191,6 +191,7 @@ class Learner:
         self.counters = Counters()
         self.states: list[GlobalState] = []
         self.inflight: InFlight | None = None
+        self.detached: InFlight | None = None  # a round we stopped waiting for at τ; still running
         self.download: Download | None = None
         self._pending: dict[int, float] = {}  # fragment → deadline (monotonic) of a slot not yet started
         self._target_loss_reached = False
@@ -619,14 +620,18 @@ class Learner:
             task.thread = threading.Thread(target=run, daemon=True, name=f"round-fragment-{f}")
             task.thread.start()
 
-    def _finish_round(self) -> RoundOutcome:
-        """Join the round in flight (blocking if it is late) and apply its result locally."""
+    def _finish_round(self) -> RoundOutcome | None:
+        """Join the round in flight (blocking if it is late, up to ``sync.max_wait_seconds``) and apply
+        its result locally. Returns None when it is still running after that: see :meth:`_detach`."""
         task, c, cfg = self.inflight, self.counters, self.cfg
         assert task is not None
         if task.thread is not None:
             waited = time.perf_counter()
-            task.thread.join()
+            task.thread.join(timeout=cfg.sync.max_wait_seconds)
             c.wait_seconds += time.perf_counter() - waited
+            if task.thread.is_alive():
+                self._detach(task, time.perf_counter() - waited)
+                return None
         self.inflight = None
         out, f = task.outcome, task.fragment.index
         assert out is not None
@@ -666,6 +671,41 @@ class Learner:
         )
         return out
 
+    def _detach(self, task: InFlight, waited: float) -> None:
+        """Train on without a round that outlived ``sync.max_wait_seconds`` past τ (a groupmate died
+        mid-round, say, and hivemind's all-reduce timeout has not fired yet).
+
+        The round keeps running on its own copy of the fragment's state. If it commits, the result is
+        taken like a download from a peer (:meth:`_poll_detached`); if it fails, our outer gradient
+        waits for a later round. Until then it is unconfirmed, so that if the others commit it while
+        we learn of it only from their state, it is not contributed twice (docs/resilience.md).
+        """
+        f = task.fragment.index
+        self.inflight, self.detached = None, task
+        self._unconfirmed[f] = Unconfirmed(self.states[f].version, task.snapshot, task.tokens, task.steps)
+        self.log(f"fragment {f}: round still running after waiting {waited:.1f} s at τ; training on (its result is "
+                 "applied if it commits)", logging.WARNING)
+
+    def _poll_detached(self) -> None:
+        task = self.detached
+        if task is None or (task.thread is not None and task.thread.is_alive()):
+            return
+        self.detached = None
+        out, f = task.outcome, task.fragment.index
+        assert out is not None
+        self.counters.bytes_sent += out.bytes_sent
+        if not out.committed:
+            self.counters.rounds_failed += 1
+            self.log(f"fragment {f}: the round we stopped waiting for ended without a commit ({out.reason}); "
+                     "local progress kept")
+            return
+        if self.download is not None and f in self.download.fragments:
+            return  # a newer state of it is on the way; this one is adopted (or superseded) with it
+        self.counters.outer_steps += 1
+        self.log(f"fragment {f}: the round we stopped waiting for committed version {task.state.version}")
+        if f in self._adopt({f: task.state}):
+            self.counters.missed_versions[f] = 0  # our own round, not a version we missed
+
     def _due(self) -> list[Fragment]:
         if self.clock is not None:
             return self.clock.due(get_dht_time())
@@ -695,6 +735,12 @@ class Learner:
                              "round is still in flight")
                     continue
             del self._pending[f]
+            if self.detached is not None:
+                # The averager is still busy with the round we stopped waiting for: a round now would
+                # only queue behind it. This fragment's progress waits for its next slot.
+                self.log(f"skipped fragment {f}'s slot: fragment {self.detached.fragment.index}'s late round is "
+                         "still running")
+                continue
             background = self.cfg.sync.overlap_steps > 0
             self._catch_up(background=background)
             if self.download is not None and f in self.download.fragments:
@@ -834,6 +880,7 @@ class Learner:
             if self.inflight is not None and c.inner_steps >= self.inflight.apply_at:
                 self._finish_round()
             self._poll_download()
+            self._poll_detached()
             self._sync_due_fragments()
             if c.inner_steps % cfg.run.log_every == 0:
                 rate = len(losses) / (time.perf_counter() - started_at)
@@ -845,6 +892,9 @@ class Learner:
                 losses, started_at = [], time.perf_counter()
         if self.inflight is not None:
             self._finish_round()
+        if self.detached is not None and self.detached.thread is not None:
+            self.detached.thread.join(timeout=self.cfg.averaging.round_timeout)
+            self._poll_detached()
         if self.download is not None and self.download.thread is not None:
             self.download.thread.join(timeout=self.cfg.averaging.next_chunk_timeout)
             self._poll_download()
@@ -879,8 +929,9 @@ class Learner:
         }
 
     def _shutdown(self) -> None:
-        if self.inflight is not None and self.inflight.thread is not None:
-            self.inflight.thread.join(timeout=self.cfg.averaging.round_timeout + 5)
+        for task in (self.inflight, self.detached):
+            if task is not None and task.thread is not None:
+                task.thread.join(timeout=self.cfg.averaging.round_timeout + 5)
         if hasattr(self, "_heartbeat_thread") and self._heartbeat_thread.is_alive():
             self._heartbeat_thread.join(timeout=5)
         if hasattr(self, "board") and self._served is not None:

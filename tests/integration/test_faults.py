@@ -131,3 +131,20 @@ def test_killed_after_its_round_averaged_comes_back_without_contributing_it_twic
     assert re.search(r"our outer gradient from version 1 \(\d+ steps\) is in version 2", back.text()), back.text()
     summaries = _assert_one_lineage(swarm, range(3), TARGET + 2)
     assert summaries[2]["contributions_confirmed"] >= 1
+
+
+@pytest.mark.timeout(360)
+def test_with_overlap_a_round_stuck_on_a_frozen_groupmate_does_not_stop_the_others(swarm):
+    """τ > 0: a groupmate freezes in the middle of reducing; the others stop waiting for that round
+    after sync.max_wait_seconds past τ and train on; the round's outcome is taken when it ends."""
+    overlap = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=2", "--set", "sync.max_wait_seconds=1"]
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 1, extra=overlap) for i in range(2)]
+    frozen = swarm.start_learner(2, max_outer_steps=TARGET + 1,
+                                 extra=[*overlap, "--fault", "hang for 20 s at round 2 during reduce"])
+    for p in [*learners, frozen]:
+        assert p.wait(300) == 0, p.text()
+    assert "fault injection: hang" in frozen.text()
+    assert any("training on (its result is applied if it commits)" in p.text() for p in learners), \
+        "\n".join(p.text() for p in learners)
+    _assert_one_lineage(swarm, range(3), TARGET + 1)

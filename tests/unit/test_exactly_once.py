@@ -91,6 +91,7 @@ def _learner(p: int = 2) -> Learner:
 
 def _state(value: float, version: int, contributors=None) -> GlobalState:
     s = GlobalState(params=[torch.full((3,), value)], momentum=[torch.zeros(3)], version=version)
+    s.remember()
     if contributors is not None:
         s.record_contributors(version, contributors)
     return s
@@ -155,3 +156,50 @@ def test_downloaded_contributors_are_parsed_and_malformed_ones_refused():
     for bad in ([[[5, "peer-a"]], []], [[["5", ["a"]]], []], "x", [[[5, [1]]], []]):
         _, problem = _parse_downloaded({**meta, "contributors": bad}, whole, ours)
         assert "contributors" in problem, bad
+
+
+def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commits(caplog):
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import load_learner_config
+    from p2p_diloco.learner import InFlight
+    from p2p_diloco.round import RoundOutcome, Stage
+
+    learner = _learner()
+    learner.cfg = load_learner_config("peers/small-cpu.toml", ["sync.overlap_steps=2", "sync.max_wait_seconds=0.05"])
+    learner.averaging = SimpleNamespace(set_state_priority=lambda version: None)
+    learner.download, learner.detached, learner._served = None, None, None
+    learner.states = [_state(0.0, 4), _state(0.0, 4)]
+    frag = learner.fragments[0]
+    p = learner._local(frag)[0]
+    release = threading.Event()
+    task = InFlight(fragment=frag, apply_at=0, snapshot=[torch.full((3,), 1.0)], tokens=640, steps=10, window=1.0,
+                    state=learner.states[0].copy())
+
+    def slow_round():
+        release.wait(5)
+        task.state.params[0].fill_(10.0)
+        task.state.version = 5
+        task.state.record_contributors(5, ["me", "other"])
+        task.state.remember()
+        task.outcome = RoundOutcome(stage=Stage.APPLIED, group_size=2)
+
+    task.thread = threading.Thread(target=slow_round, daemon=True)
+    task.thread.start()
+    learner.inflight = task
+    with torch.no_grad():
+        p.fill_(1.5)  # 5 steps of progress after the round started
+    learner.counters.tokens_since_merge[0], learner.counters.steps_since_merge[0] = 960, 15
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.learner"):
+        assert learner._finish_round() is None  # did not wait for it
+        assert learner.inflight is None and learner.detached is task and 0 in learner._unconfirmed
+        learner._poll_detached()  # still running: nothing happens
+        assert learner.states[0].version == 4
+        release.set()
+        task.thread.join(5)
+        learner._poll_detached()
+    assert learner.detached is None and learner.states[0].version == 5
+    assert torch.allclose(p.detach(), torch.full((3,), 10.5))  # Θ_new + the 5 steps after the round started
+    c = learner.counters
+    assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.missed_versions[0], c.outer_steps) == (320, 5, 0, 1)
+    assert "training on" in caplog.text and "committed version 5" in caplog.text

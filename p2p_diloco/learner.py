@@ -115,6 +115,10 @@ class InFlight:
     thread: threading.Thread | None = None
     outcome: RoundOutcome | None = None
 
+    def unconfirmed(self, version: int) -> Unconfirmed:
+        """What this round sent, started from ``version``, until we know whether it was committed."""
+        return Unconfirmed(version, self.snapshot, self.tokens, self.steps)
+
 
 @dataclass
 class Unconfirmed:
@@ -239,6 +243,8 @@ class Learner:
         waited = time.monotonic() - waited
         if cfg.data.shard_index is None:
             self._load_data(shard_for_peer(self.dht.peer_id.to_bytes(), cfg.data.num_shards))
+        if self._sampler_cursor is not None:
+            self.sampler.cursor = self._sampler_cursor
         self.log(f"checkpoints in {self.ckpt_dir}; data shard {self.shard}/{cfg.data.num_shards}")
         self.log(f"{len(self.fragments)} fragment(s) of {[f.numel for f in self.fragments]} values; overlap τ = "
                  f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
@@ -285,8 +291,6 @@ class Learner:
         self.eval_batches = fixed_eval_batches(evaluation, cfg.model.seq_len, cfg.inner.batch_size,
                                                cfg.data.eval_batches)
         self.log(f"shard {shard} holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
-        if self._sampler_cursor is not None:
-            self.sampler.cursor = self._sampler_cursor
 
     def _build(self, payload: dict[str, Any] | None) -> None:
         """Model, fragments, global state, optimizers and the checkpoint's contents: no network."""
@@ -347,9 +351,7 @@ class Learner:
         self.model.load_state_dict(payload["model"])
         self.inner_opt.load_state_dict(payload["inner_opt"])
         self.counters = Counters(**payload["counters"])
-        self._sampler_cursor = payload["sampler_cursor"]  # the data may load after this
-        if hasattr(self, "sampler"):
-            self.sampler.cursor = self._sampler_cursor
+        self._sampler_cursor = payload["sampler_cursor"]  # applied once the data is loaded (_setup)
         # We may have died in a round after sending our outer gradient, and the others may have
         # committed it. A round in flight or unconfirmed at the checkpoint is saved with its
         # snapshot; any other fragment's progress in the checkpoint is all it could have sent.
@@ -662,7 +664,7 @@ class Learner:
             c.rounds_failed += 1
             if task.tokens > 0:
                 # Our outer gradient may have reached reducers whose group committed without us.
-                self._unconfirmed[f] = Unconfirmed(self.states[f].version, task.snapshot, task.tokens, task.steps)
+                self._unconfirmed[f] = task.unconfirmed(self.states[f].version)
         status = "committed" if out.committed else f"not committed ({out.reason}); local progress kept"
         self.log(
             f"outer round {status} | version {self.states[f].version} fragment {f}/{len(self.fragments)} "
@@ -682,7 +684,7 @@ class Learner:
         """
         f = task.fragment.index
         self.inflight, self.detached = None, task
-        self._unconfirmed[f] = Unconfirmed(self.states[f].version, task.snapshot, task.tokens, task.steps)
+        self._unconfirmed[f] = task.unconfirmed(self.states[f].version)
         self.log(f"fragment {f}: round still running after waiting {waited:.1f} s at τ; training on (its result is "
                  "applied if it commits)", logging.WARNING)
 
@@ -802,14 +804,12 @@ class Learner:
         self.writer.submit(payload, before_rename=lambda: self.faults.fire("checkpoint", version))
 
     def _unconfirmed_for_checkpoint(self) -> list[dict[str, Any]]:
-        out = {f: {"fragment": f, "version": u.version, "snapshot": u.snapshot, "tokens": u.tokens, "steps": u.steps}
-               for f, u in self._unconfirmed.items()}
+        pending = dict(self._unconfirmed)
         task = self.inflight
         if task is not None:  # its outcome is unknown until it is applied
             f = task.fragment.index
-            out[f] = {"fragment": f, "version": self.states[f].version, "snapshot": task.snapshot,
-                      "tokens": task.tokens, "steps": task.steps}
-        return list(out.values())
+            pending[f] = task.unconfirmed(self.states[f].version)
+        return [{"fragment": f, **vars(u)} for f, u in pending.items()]
 
     def _finished(self) -> bool:
         target = self.cfg.run.max_outer_steps

@@ -118,14 +118,20 @@ def _run_learner(args: argparse.Namespace) -> int:
             os.setpgid(0, 0)
 
     stop = threading.Event()
+    learner = Learner(cfg, stop, faults)
 
     def on_signal(signum, _frame):
-        logging.getLogger("p2p_diloco").info(f"caught {signal.Signals(signum).name}; leaving after this step")
-        stop.set()
+        name, log = signal.Signals(signum).name, logging.getLogger("p2p_diloco")
+        if stop.is_set():
+            log.info(f"caught {name} again; leaving without the parting rounds")
+            learner.leave_now.set()
+        else:
+            log.info(f"caught {name}; leaving after this step")
+            stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    summary = Learner(cfg, stop, faults).run()
+    summary = learner.run()
     if cfg.run.summary:
         write_summary(cfg.run.summary, summary)
     logging.getLogger("p2p_diloco").info(

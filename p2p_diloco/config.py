@@ -166,6 +166,10 @@ class RunConfig(_Section):
     summary: str | None = None
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads")
     linger_seconds: float = Field(60.0, ge=0.0, description="after finishing, keep serving state this long")
+    drain_seconds: float = Field(
+        20.0, ge=0.0, description="on Ctrl+C or SIGTERM, spend up to this long handing the unmerged inner steps to "
+                                  "the swarm in one last round per fragment (0: leave at once; a second signal also "
+                                  "leaves at once)")
     log_every: int = Field(10, ge=1, description="inner steps between progress lines")
 
 

@@ -89,6 +89,10 @@ class ClockSchedule:
     def _slot(self, fragment: Fragment, now: float) -> int:
         return int((now - fragment.index * self.period / len(self.fragments)) // self.period)
 
+    def next_slot(self, fragment: Fragment, now: float) -> float:
+        """When the fragment's first slot after ``now`` opens."""
+        return (self._slot(fragment, now) + 1) * self.period + fragment.index * self.period / len(self.fragments)
+
     def due(self, now: float) -> list[Fragment]:
         out = []
         for f in self.fragments:

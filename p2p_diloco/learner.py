@@ -192,6 +192,8 @@ class Learner:
         self.cfg = cfg
         self.faults = faults or FaultPlan()
         self.stop = stop or threading.Event()
+        self.leave_now = threading.Event()  # a second Ctrl+C / SIGTERM: skip the parting rounds
+        self._parting = False  # in the parting rounds: stop is set, yet rounds and downloads go on
         self.counters = Counters()
         self.states: list[GlobalState] = []
         self.inflight: InFlight | None = None
@@ -253,7 +255,7 @@ class Learner:
         self.averaging = HivemindAveraging(
             self.dht, [t for s in self.states for t in s.params], cfg.averaging,
             prefix=f"{self.lineage}_outer", state_provider=self._serve_state,
-            newest_version=self._newest_live_version, should_stop=self.stop.is_set,
+            newest_version=self._newest_live_version, should_stop=self._leaving,
             fragments=self._flat_fragment_indices(), codecs=[cfg.codec_for(f.index) for f in self.fragments],
             faults=self.faults,
         )
@@ -392,7 +394,7 @@ class Learner:
         else the whole state from any peer. Touches no learner state: safe in a background thread."""
         attempts = [*peers[:3], None]  # None: any peer, newest version first (hivemind's priority order)
         for peer in attempts:
-            if self.stop.is_set():
+            if self._leaving():
                 return {}
             timeout = self.cfg.averaging.next_chunk_timeout
             wanted = None if peer is None else fragments
@@ -589,8 +591,12 @@ class Learner:
                 out[i] = t
         return out  # type: ignore[return-value]
 
-    def _start_round(self, frag: Fragment) -> None:
+    def _start_round(self, frag: Fragment, background: bool | None = None) -> None:
+        """Start fragment ``frag``'s round: in the background when τ > 0 (applied at ``apply_at``),
+        else (or with ``background=False``) here, applying its result before returning."""
         cfg, c = self.cfg, self.counters
+        if background is None:
+            background = cfg.sync.overlap_steps > 0
         f = frag.index
         window = self.grace.choose()
         weight = token_weight(c.tokens_since_merge[f], c.steps_since_merge[f], c.missed_versions[f],
@@ -613,7 +619,7 @@ class Learner:
             task.outcome = rnd.run()
 
         self.inflight = task
-        if cfg.sync.overlap_steps == 0:
+        if not background:
             waited = time.perf_counter()
             run()
             c.wait_seconds += time.perf_counter() - waited
@@ -899,7 +905,59 @@ class Learner:
             self.download.thread.join(timeout=self.cfg.averaging.next_chunk_timeout)
             self._poll_download()
         self._checkpoint()  # keeps inner steps taken since the last round
+        if self.stop.is_set() and not self._finished():
+            self._parting_rounds()
         self.writer.flush()
+
+    def _leaving(self) -> bool:
+        """Whether matchmaking and downloads should give up: we are leaving, and not in a parting round."""
+        return self.leave_now.is_set() or (self.stop.is_set() and not self._parting)
+
+    def _parting_rounds(self) -> None:
+        """Leaving on Ctrl+C or SIGTERM: hand the unmerged inner steps to the swarm before going.
+
+        Each fragment holding steps not yet merged joins one more round, in the foreground: at its
+        next slot on the clock schedule (where the others will be), at once and again until a group
+        forms on the steps schedule, all within ``run.drain_seconds``. A second signal cuts it short
+        after the attempt under way. The checkpoint was written just before, and each commit writes
+        another, so a kill meanwhile loses nothing; without a live peer there is no one to hand the
+        steps to and they stay in the checkpoint for a ``--resume``.
+        """
+        cfg, c, target = self.cfg, self.counters, self.cfg.run.max_outer_steps
+        budget = cfg.run.drain_seconds
+
+        def open_(frag: Fragment) -> bool:
+            return c.steps_since_merge[frag.index] > 0 and (target is None or
+                                                           self.states[frag.index].version < target)
+
+        todo = [frag for frag in self.fragments if open_(frag)]
+        if budget <= 0 or not todo or self.leave_now.is_set():
+            return
+        if not any(p != self.peer_id and r.status == "training" for p, r in self.board.read().items()):
+            self.log("leaving: no peer is training; the unmerged steps stay in the checkpoint")
+            return
+        deadline, self._parting = time.monotonic() + budget, True
+        self.log(f"leaving: handing {max(c.steps_since_merge):.0f} unmerged inner steps to the swarm in a last round "
+                 f"of {len(todo)} fragment(s), for at most {budget:g} s (signal again to leave now)")
+        clock = self.clock
+        if clock is not None:
+            todo.sort(key=lambda frag: clock.next_slot(frag, get_dht_time()))
+        for frag in todo:
+            while not self.leave_now.is_set() and open_(frag):
+                wait = 0.0 if clock is None else clock.next_slot(frag, get_dht_time()) - get_dht_time()
+                if time.monotonic() + wait + cfg.averaging.matchmaking_time > deadline:
+                    break
+                if self.leave_now.wait(wait):
+                    break
+                self._catch_up()
+                if not open_(frag):
+                    break
+                self._start_round(frag, background=False)
+                if self._last_outcome is not None and self._last_outcome.committed:
+                    break
+        left = sum(1 for frag in todo if open_(frag))
+        self.log("leaving: " + (f"{left} fragment(s) not merged; their steps stay in the checkpoint" if left
+                                else "every fragment's steps merged"))
 
     def summary(self) -> dict[str, Any]:
         c = self.counters

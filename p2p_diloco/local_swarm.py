@@ -5,11 +5,16 @@ real ``p2p-diloco learner`` process with its own p2pd daemon, data shard and che
 they find each other only through the DHT, exactly as they would on separate machines.
 The supervisor is an asyncio program on uvloop that prefixes and forwards each process's output,
 and on Ctrl+C or SIGTERM passes the signal on and waits for every process to leave.
+
+Each child runs in its own session, so a Ctrl+C in the terminal reaches only the supervisor, which
+sends every learner one SIGTERM: a learner reads a second signal as "leave now, skip the parting
+rounds" (see ``run.drain_seconds``). If the supervisor dies, its children get SIGTERM from the kernel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -31,6 +36,17 @@ class SwarmOptions:
     startup_timeout: float = 120.0
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when its parent dies (it still leaves cleanly).
+
+    Runs between fork and exec; ``ip netns exec`` execs its command without forking, so the flag
+    reaches the p2p-diloco process there too."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def _cli() -> list[str]:
     return [sys.executable, "-m", "p2p_diloco"]
 
@@ -44,7 +60,7 @@ async def _pump(name: str, stream: asyncio.StreamReader) -> None:
 async def _spawn(name: str, args: list[str]) -> tuple[asyncio.subprocess.Process, asyncio.Task]:
     proc = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True, preexec_fn=die_with_parent,
     )
     return proc, asyncio.create_task(_pump(name, proc.stdout))
 
@@ -60,8 +76,9 @@ async def _wait_for_file(path: Path, proc: asyncio.subprocess.Process, timeout: 
     raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
 
 
-async def stop_all(procs: list[asyncio.subprocess.Process], grace: float = 20.0) -> None:
-    """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL the rest."""
+async def stop_all(procs: list[asyncio.subprocess.Process], grace: float = 45.0) -> None:
+    """SIGTERM every process, wait up to ``grace`` seconds (a learner's parting rounds take up to
+    ``run.drain_seconds``, 20 s by default), then SIGKILL the rest."""
     for p in procs:
         if p.returncode is None:
             p.send_signal(signal.SIGTERM)

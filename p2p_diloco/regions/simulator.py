@@ -14,7 +14,6 @@ If the supervisor itself dies, its children get SIGTERM (PR_SET_PDEATHSIG) and a
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
@@ -27,12 +26,10 @@ from pathlib import Path
 import uvloop
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.local_swarm import lineage_verdict, print_summary_table, read_summaries, stop_all
+from p2p_diloco.local_swarm import die_with_parent, lineage_verdict, print_summary_table, read_summaries, stop_all
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
 from p2p_diloco.regions.topology import Topology
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -43,13 +40,7 @@ class RegionsOptions:
     workdir: Path
     extra: list[str] = field(default_factory=list)  # ["--set", "inner.lr=1e-3", ...] for every learner
     startup_timeout: float = 120.0
-    stop_grace: float = 30.0
-
-
-def _die_with_supervisor() -> None:
-    # Runs in the child between fork and exec; `ip netns exec` execs the command without forking,
-    # so the flag reaches the p2p-diloco process itself. SIGTERM: it still leaves cleanly.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    stop_grace: float = 45.0  # a learner's parting rounds take up to run.drain_seconds (20 s)
 
 
 def _in_ns(host: Host, args: list[str]) -> list[str]:
@@ -74,7 +65,7 @@ class Supervisor:
             *_in_ns(host, args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             # Own session: Ctrl+C reaches only the supervisor, which then stops everyone in order.
-            start_new_session=True, preexec_fn=_die_with_supervisor,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
         self.procs[host.name] = proc
         self.pumps.append(asyncio.create_task(_pump(host.name, proc.stdout)))

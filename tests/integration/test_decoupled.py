@@ -6,6 +6,7 @@ import signal
 import pytest
 import torch
 
+from .harness import committed_version, wait_until
 from .test_swarm import _assert_one_lineage
 
 pytestmark = pytest.mark.integration
@@ -67,3 +68,25 @@ def test_a_learner_killed_after_a_merge_keeps_that_merge_in_its_checkpoint(swarm
         # run.eval_every=2: only every second outer step evaluates.
         evaluated = ["eval_loss" in line for line in re.findall(r"outer step done \| .*", p.text())]
         assert len(evaluated) >= 3 and evaluated == [k % 2 == 0 for k in range(1, len(evaluated) + 1)]
+
+
+@pytest.mark.timeout(300)
+def test_a_learner_that_leaves_hands_its_unmerged_steps_to_the_swarm(swarm):
+    """SIGTERM on the clock schedule with overlap: the leaver joins each fragment's next slot (where
+    the learner that stays meets it) before it exits, so none of its steps is left unmerged."""
+    clock = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=2", "--set", "sync.schedule=clock",
+             "--set", "sync.period_seconds=8", "--set", "sync.apply_policy=mix"]
+    swarm.start_bootstrap()
+    stays, leaves = (swarm.start_learner(i, max_outer_steps=100, extra=clock) for i in range(2))
+    wait_until(lambda: committed_version(leaves) >= 1, 150, leaves, "version 1")
+    leaves.popen.send_signal(signal.SIGTERM)
+    assert leaves.wait(60) == 0, leaves.text()
+    assert "every fragment's steps merged" in leaves.text(), leaves.text()
+    gone = swarm.summary(1)
+    assert gone["steps_merged"] == gone["inner_steps"], gone
+    # Alone, the other one can commit nothing more; it leaves without a parting round.
+    stays.popen.send_signal(signal.SIGTERM)
+    assert stays.wait(60) == 0, stays.text()
+    assert "no peer is training" in stays.text(), stays.text()
+    summaries = _assert_one_lineage(swarm, range(2), gone["version"])
+    assert summaries[0]["versions"] == gone["versions"]

@@ -69,6 +69,8 @@ def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
     swarm.start_bootstrap()
     a, b = (swarm.start_learner(i, max_outer_steps=50) for i in range(2))
     wait_until(lambda: committed_version(a) >= 1 and committed_version(b) >= 1, 120, a, "version 1")
+    # Signalled mid-way through an outer step, each holds inner steps not merged yet.
+    wait_until(lambda: all("step=30 " in p.text() for p in (a, b)), 60, a, "step 30")
     a.popen.send_signal(signal.SIGTERM)
     b.popen.send_signal(signal.SIGINT)  # Ctrl+C
     for p, name in ((a, "SIGTERM"), (b, "SIGINT")):
@@ -77,6 +79,10 @@ def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
         assert not processes_in_group(p.pid), processes_in_group(p.pid)
     left_at = max(swarm.summary(0)["version"], swarm.summary(1)["version"])
     assert left_at >= 1
+    # Leaving, both handed their unmerged steps to the swarm in a parting round (together).
+    for i, p in enumerate((a, b)):
+        assert "every fragment's steps merged" in p.text(), p.text()
+        assert swarm.summary(i)["steps_merged"] == swarm.summary(i)["inner_steps"]
     # Both come back from their checkpoints and train on together for one more version.
     again = [swarm.start_learner(i, max_outer_steps=left_at + 1, extra=["--resume"]) for i in range(2)]
     for p in again:

@@ -71,3 +71,16 @@ def test_clock_schedule_staggers_fragments_and_skips_the_current_slot():
     assert [f for _, f in fired] == [1, 2, 3, 0, 1, 2, 3, 0]
     gaps = {round(b[0] - a[0], 1) for a, b in zip(fired, fired[1:], strict=False)}
     assert gaps == {10.0}
+
+
+def test_clock_schedule_next_slot_is_when_that_fragment_is_next_due():
+    from p2p_diloco.fragments import ClockSchedule
+
+    frags = build_fragments(_named(), 4, 24)
+    for now in (1000.0, 1003.7, 1019.99, 1020.0):
+        for f in frags:
+            sched = ClockSchedule(frags, period=40.0, now=now)
+            at = sched.next_slot(f, now)
+            assert now < at <= now + 40.0
+            assert f not in sched.due(at - 1e-6)
+            assert f in sched.due(at)

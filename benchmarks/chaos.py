@@ -50,9 +50,11 @@ COMMON = [
     # hold the round (and, at τ, its learners) for the default 120 s.
     "--set", "averaging.allreduce_timeout=10.0",
     "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=0", "--set", "run.log_every=1000",
-    # An eval costs about 3 inner steps; every 4th outer step (once a minute) keeps it near 1%.
-    "--set", "run.eval_every=4",
 ]
+# An eval costs about 3 inner steps. Learner 0 evaluates every 4th outer step (about once a minute,
+# for the loss-at-equal-tokens comparison), as one evaluator would in a real run; the others never
+# do during the run (their learner-seconds all go to training) and evaluate once when they leave.
+EVAL = {True: ["--set", "run.eval_every=4"], False: ["--set", "run.eval_every=1000000"]}
 # Decoupled: two fragments on the wall-clock schedule (each fragment's round every 15 s, ≈ H steps,
 # at slots shared by all learners, so a restarted learner is back in phase at its next slot), each
 # round overlapped with τ = 25 inner steps with local progress kept (mix), quorum K = 2; a group
@@ -91,15 +93,22 @@ class Proc:
             pass
         self.popen.wait()
 
-    def terminate(self, grace: float) -> None:
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
+    def close(self) -> None:
         self.kill()
         self._f.close()
+
+
+def stop_all(procs: list[Proc], grace: float) -> None:
+    """SIGTERM every process at once (learners stop training at the same moment, then hand their
+    unmerged steps to each other in their parting rounds), SIGKILL what is left after ``grace``."""
+    for p in procs:
+        if p.alive():
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        p.close()
 
 
 def failure_schedule(seed: int, m: int, mtbf: float, duration: float) -> list[tuple[float, int]]:
@@ -133,7 +142,7 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
         return Proc(f"learner-{i}", [
             "learner", "--config", SMALL, "--initial-peers", peers, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--shard-index", str(i), "--num-shards", str(m), "--checkpoint-dir", str(work / f"ckpt-{i}"),
-            "--resume", "--summary", str(work / f"summary-{i}.json"), *COMMON, *extra,
+            "--resume", "--summary", str(work / f"summary-{i}.json"), *COMMON, *EVAL[i == 0], *extra,
         ], work / f"learner-{i}.log")
 
     learners = [start(i) for i in range(m)]
@@ -160,9 +169,8 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
                     learners[i] = start(i)
             time.sleep(0.2)
     finally:
-        for p in learners:
-            p.terminate(grace=40)
-        boot.terminate(grace=10)
+        stop_all(learners, grace=40)
+        stop_all([boot], grace=10)
     wall = time.monotonic() - t0
     summaries = []
     for i in range(m):

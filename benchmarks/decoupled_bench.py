@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
 
 from p2p_diloco.config import LearnerConfig, load_learner_config
+from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -145,7 +146,8 @@ def _dp_worker(rank: int, world: int, port: int, cfg_data: dict, steps: int, out
         started = time.perf_counter()
         for step in range(1, steps + 1):
             batch = sampler.next_batch()
-            busy, reduce_s = data_parallel_step(model, params, opt, batch, world, cfg.inner.grad_clip)
+            busy, reduce_s = data_parallel_step(model, params, opt, batch, world, cfg.inner.grad_clip,
+                                                lr=inner_lr(cfg.inner, step - 1, cfg.decay_steps))
             compute += busy
             comm += reduce_s
             tokens += batch[0].numel()

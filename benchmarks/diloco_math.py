@@ -29,14 +29,16 @@ sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import load_learner_config  # noqa: E402
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
+from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
 from p2p_diloco.model import build_model  # noqa: E402
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
 
 
-def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
+def run(variant: tuple, m: int, steps: int, every: int, config: str, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     kind, h, lr, mu = variant
-    cfg = load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}"])
+    cfg = load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}",
+                                       *overrides])
     splits = load_splits(cfg.data, [None, *range(m)])  # one pass over the corpus for all of them
     evals = fixed_eval_batches(splits[None], cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches)
 
@@ -49,7 +51,9 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
         return torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                                  betas=(cfg.inner.beta1, cfg.inner.beta2))
 
-    def step(model, opt, batches):
+    def step(model, opt, batches, position):
+        for group in opt.param_groups:  # the learners' schedule; with equal speeds its position is the step
+            group["lr"] = inner_lr(cfg.inner, position, cfg.decay_steps)
         model.train()
         opt.zero_grad(set_to_none=True)
         for x, y in batches:
@@ -66,7 +70,7 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
         model, opt = base, adamw(base)
         used = samplers if kind == "dp" else samplers[:1]
         for s in range(1, steps + 1):
-            step(model, opt, [sm.next_batch() for sm in used])
+            step(model, opt, [sm.next_batch() for sm in used], s - 1)
             if s % every == 0:
                 curve.append((s, evaluate(model)))
     else:
@@ -75,7 +79,7 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str) -> dict:
         opts = [adamw(w) for w in workers]
         for s in range(1, steps + 1):
             for w, opt, sm in zip(workers, opts, samplers, strict=True):
-                step(w, opt, [sm.next_batch()])
+                step(w, opt, [sm.next_batch()], s - 1)
             if s % h == 0:
                 deltas = [pseudo_gradient(state.params, list(w.parameters())) for w in workers]
                 outer.apply(state, weighted_mean(deltas, [1.0] * m))
@@ -101,17 +105,22 @@ def main() -> int:
     p.add_argument("--every", type=int, default=50, help="eval every this many steps (a multiple of each H)")
     p.add_argument("--config", default=str(ROOT / "peers" / "small-cpu.toml"))
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="config override for every variant, e.g. inner.lr_schedule=cosine (repeatable)")
+    p.add_argument("--no-single", action="store_true", help="leave out the single-worker variant")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    variants = [("dp", 0, 0.7, 0.9), ("single", 0, 0.7, 0.9)]
+    variants = [("dp", 0, 0.7, 0.9)] + [("single", 0, 0.7, 0.9)] * (not a.no_single)
     variants += [("diloco", int(h), float(o.split(":")[0]), float(o.split(":")[1]))
                  for h in a.h.split(",") for o in a.outer.split(",")]
     with ProcessPoolExecutor(a.jobs) as pool:
         n = len(variants)
-        results = list(pool.map(run, variants, [a.learners] * n, [a.steps] * n, [a.every] * n, [a.config] * n))
+        results = list(pool.map(run, variants, [a.learners] * n, [a.steps] * n, [a.every] * n, [a.config] * n,
+                                [a.overrides] * n))
     dp = results[0]["curve"]
     half = dp[len(dp) // 2]
-    print(f"M = {a.learners}, {a.steps} inner steps per worker, equal tokens; eval every {a.every} steps\n")
+    print(f"M = {a.learners}, {a.steps} inner steps per worker, equal tokens; eval every {a.every} steps; "
+          f"overrides {a.overrides}\n")
     print(f"| variant | eval at {a.steps // 2} | final eval | vs dp | steps to dp's loss at step {half[0]} "
           f"({half[1]:.3f}) |")
     print("|---|---|---|---|---|")
@@ -121,7 +130,8 @@ def main() -> int:
         print(f"| {r['variant']} | {mid:.4f} | {c[-1][1]:.4f} | {c[-1][1] / dp[-1][1] - 1:+.1%} | "
               f"{steps_to(c, half[1]) or f'> {a.steps}'} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"learners": a.learners, "steps": a.steps, "results": results}, indent=1))
+        Path(a.json).write_text(json.dumps({"learners": a.learners, "steps": a.steps, "overrides": a.overrides,
+                                               "results": results}, indent=1))
     return 0
 
 

@@ -37,10 +37,14 @@ def evaluate(model: torch.nn.Module, batches) -> float:
 
 
 def data_parallel_step(model: torch.nn.Module, params: list[torch.Tensor], opt: torch.optim.Optimizer, batch,
-                       world: int, grad_clip: float) -> tuple[float, float]:
+                       world: int, grad_clip: float, lr: float | None = None) -> tuple[float, float]:
     """Forward and backward on this rank's batch, one ``all_reduce`` of all gradients as one flat fp32
-    tensor, divide by the world size, clip, optimizer step. Returns (compute s, all-reduce s)."""
+    tensor, divide by the world size, clip, optimizer step (at ``lr`` if given: the learners'
+    schedule, ``lr_schedule.inner_lr``). Returns (compute s, all-reduce s)."""
     t0 = time.perf_counter()
+    if lr is not None:
+        for group in opt.param_groups:
+            group["lr"] = lr
     model.train()
     x, y = batch
     _, loss = model(x, y)

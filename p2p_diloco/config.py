@@ -77,6 +77,13 @@ class InnerConfig(_Section):
     batch_size: int = Field(16, ge=1)
     steps_per_outer: int = Field(50, ge=1, description="H: inner steps per outer step")
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="after warm-up: keep lr, or decay it along a cosine to min_lr_ratio·lr at "
+                                "decay_steps (see lr_schedule.py for where a learner stands in it)")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from lr/warmup_steps to lr")
+    decay_steps: int | None = Field(
+        None, ge=1, description="cosine: schedule position where the decay ends (default: run.max_outer_steps · H)")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: the final lr as a fraction of lr")
     # Artificial slow-down per inner step, for tests and mixed-speed benchmarks.
     extra_step_seconds: float = Field(0.0, ge=0.0)
 
@@ -200,7 +207,22 @@ class LearnerConfig(_Section):
         if self.sync.fragment_compression and len(self.sync.fragment_compression) != p:
             raise ValueError(f"sync.fragment_compression lists {len(self.sync.fragment_compression)} codecs "
                              f"for {p} fragments")
+        if self.inner.lr_schedule == "cosine" and self.decay_steps is None:
+            raise ValueError("inner.lr_schedule = cosine needs inner.decay_steps or run.max_outer_steps")
+        if self.decay_steps is not None and self.decay_steps <= self.inner.warmup_steps:
+            raise ValueError(f"the cosine decay must end after the warm-up: decay at {self.decay_steps} steps, "
+                             f"inner.warmup_steps {self.inner.warmup_steps}")
         return self
+
+    @property
+    def decay_steps(self) -> int | None:
+        """Where the inner lr's cosine decay ends: inner.decay_steps, else run.max_outer_steps · H."""
+        if self.inner.lr_schedule != "cosine":
+            return None
+        if self.inner.decay_steps is not None:
+            return self.inner.decay_steps
+        target = self.run.max_outer_steps
+        return None if target is None else target * self.inner.steps_per_outer
 
     def codec_for(self, fragment: int) -> str:
         return self.sync.fragment_compression[fragment] if self.sync.fragment_compression else \

@@ -56,6 +56,7 @@ from p2p_diloco.fragments import ClockSchedule, Fragment, build_fragments, due_f
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.lifecycle import LinkedDHT
+from p2p_diloco.lr_schedule import SchedulePosition, inner_lr
 from p2p_diloco.merging import token_weight
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import (
@@ -324,6 +325,7 @@ class Learner:
             self.params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
             betas=(cfg.inner.beta1, cfg.inner.beta2),
         )
+        self.lr_position = SchedulePosition(cfg.inner.steps_per_outer)
         self.outer_opt = OuterOptimizer(cfg.outer)
         self.grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                                  min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
@@ -561,6 +563,7 @@ class Learner:
         loss.backward()
         if cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.inner.grad_clip)
+        self.inner_opt.lr = inner_lr(cfg.inner, self.lr_position.step(self.version), cfg.decay_steps)
         self.inner_opt.step()
         if cfg.inner.extra_step_seconds:
             time.sleep(cfg.inner.extra_step_seconds)
@@ -892,7 +895,8 @@ class Learner:
                 rate = len(losses) / (time.perf_counter() - started_at)
                 recent = losses[-cfg.run.log_every:]
                 self.log(f"inner {c.inner_steps % cfg.inner.steps_per_outer or cfg.inner.steps_per_outer}/"
-                         f"{cfg.inner.steps_per_outer} loss {sum(recent) / len(recent):.4f} ({rate:.1f} steps/s)")
+                         f"{cfg.inner.steps_per_outer} loss {sum(recent) / len(recent):.4f} ({rate:.1f} steps/s, "
+                         f"lr {self.inner_opt.lr:.2e})")
             if c.inner_steps % cfg.inner.steps_per_outer == 0:
                 self._end_of_outer_step(losses)
                 losses, started_at = [], time.perf_counter()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
 
 from p2p_diloco.config import load_learner_config  # noqa: E402
+from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         while step < a.max_steps:
             step += 1
             busy, reduce_s = data_parallel_step(model, params, opt, sampler.next_batch(), a.world,
-                                                cfg.inner.grad_clip)
+                                                cfg.inner.grad_clip, lr=inner_lr(cfg.inner, step - 1, cfg.decay_steps))
             step_seconds.append(busy + reduce_s)
             compute_seconds.append(busy)
             comm_seconds.append(reduce_s)

@@ -6,7 +6,10 @@ import signal
 
 import pytest
 
-from .harness import committed_version, processes_in_group, wait_until
+from p2p_diloco.config import load_learner_config
+from p2p_diloco.lr_schedule import inner_lr
+
+from .harness import SMALL, committed_version, processes_in_group, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,17 +39,32 @@ def test_three_learners_train_one_model(swarm):
 
 @pytest.mark.timeout(300)
 def test_late_learner_catches_up_to_the_same_state(swarm):
+    # Inner lr: warm-up over the first 20 steps, then a cosine decay to 0.1·lr at version 8 (160 steps).
+    schedule = ["--set", "inner.lr_schedule=cosine", "--set", "inner.warmup_steps=20"]
     swarm.start_bootstrap()
-    first = [swarm.start_learner(i, max_outer_steps=8) for i in range(3)]
+    first = [swarm.start_learner(i, max_outer_steps=8, extra=schedule) for i in range(3)]
     wait_until(lambda: committed_version(first[0]) >= 2, 150, first[0], "version 2")
     # The newcomer enters through a running learner's address, not the bootstrap node.
     addr = re.search(r"visible at \['([^']+)'", first[1].text()).group(1)
-    late = swarm.start_learner(3, max_outer_steps=8, peers=addr)
+    late = swarm.start_learner(3, max_outer_steps=8, peers=addr, extra=schedule)
     for p in [*first, late]:
         assert p.wait(200) == 0, p.text()
     _assert_one_lineage(swarm, range(4), 8)
     assert swarm.summary(3)["syncs"] >= 1
     assert "synced global state" in late.text()
+    # Every learner's lr follows the global version v it trains on: within the schedule's values from
+    # v·H to (v+1)·H (H = 20), widened by H below because the line is logged after the step, when a
+    # round may just have moved v on, and by the 3 digits it is printed with. The newcomer, which
+    # joined at version >= 2, never warms up again.
+    cfg = load_learner_config(SMALL, ["inner.steps_per_outer=20", "inner.lr_schedule=cosine",
+                                      "inner.warmup_steps=20", "run.max_outer_steps=8"])
+    for p in [*first, late]:
+        seen = [(int(v), float(lr)) for v, lr in re.findall(r"round=(\d+)\] inner .*steps/s, lr (\S+)\)", p.text())]
+        assert seen, p.text()
+        for v, lr in seen:
+            ends = [inner_lr(cfg.inner, pos, cfg.decay_steps) for pos in range(max(0, v * 20 - 20), v * 20 + 21)]
+            assert min(ends) * 0.99 <= lr <= max(ends) * 1.01, (p.name, v, lr, min(ends), max(ends))
+    assert min(int(v) for v in re.findall(r"round=(\d+)\] inner ", late.text())) >= 2
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,53 @@
+import math
+
+import pytest
+
+from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.lr_schedule import SchedulePosition, inner_lr
+
+
+def _cfg(*overrides):
+    return load_learner_config(None, ["inner.lr=0.01", *overrides])
+
+
+def test_constant_is_the_default_and_ignores_the_position():
+    cfg = _cfg()
+    assert cfg.decay_steps is None
+    assert {inner_lr(cfg.inner, p, cfg.decay_steps) for p in (0, 10, 10**6)} == {0.01}
+
+
+def test_warmup_is_linear_then_cosine_reaches_the_floor_at_decay_steps():
+    cfg = _cfg("inner.lr_schedule=cosine", "inner.warmup_steps=10", "inner.decay_steps=110", "inner.min_lr_ratio=0.1")
+    lrs = [inner_lr(cfg.inner, p, cfg.decay_steps) for p in range(200)]
+    assert lrs[:10] == pytest.approx([0.001 * (i + 1) for i in range(10)])
+    assert lrs[10] == pytest.approx(0.01)
+    assert lrs[60] == pytest.approx(0.001 + 0.009 * 0.5)  # half-way through the decay
+    assert lrs[110] == pytest.approx(0.001) and lrs[199] == pytest.approx(0.001)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))  # never rises after warm-up
+
+
+def test_cosine_decays_over_the_whole_run_by_default():
+    cfg = _cfg("inner.lr_schedule=cosine", "run.max_outer_steps=4", "inner.steps_per_outer=25")
+    assert cfg.decay_steps == 100
+    assert inner_lr(cfg.inner, 50, cfg.decay_steps) == pytest.approx(0.001 + 0.009 * 0.5 * (1 + math.cos(math.pi / 2)))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["inner.lr_schedule=cosine"], "needs inner.decay_steps or run.max_outer_steps"),
+    (["inner.lr_schedule=cosine", "inner.decay_steps=5", "inner.warmup_steps=5"], "must end after the warm-up"),
+    (["inner.lr_schedule=linear"], "lr_schedule"),
+])
+def test_bad_schedules_are_refused_in_one_line(overrides, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        _cfg(*overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_the_position_follows_the_global_version():
+    pos = SchedulePosition(steps_per_outer=10)
+    assert [pos.step(0) for _ in range(3)] == [0, 1, 2]
+    assert pos.step(1) == 10  # the swarm moved on: the schedule jumps with it
+    # A learner that keeps stepping on an old version (slow, or alone) stays within that version's H steps.
+    assert max(pos.step(1) for _ in range(50)) == 20
+    # One that joins late starts where the swarm is, not at the warm-up.
+    assert SchedulePosition(10).step(7) == 70

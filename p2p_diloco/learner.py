@@ -194,7 +194,7 @@ class Learner:
         self.faults = faults or FaultPlan()
         self.stop = stop or threading.Event()
         self.leave_now = threading.Event()  # a second Ctrl+C / SIGTERM: skip the parting rounds
-        self._parting = False  # in the parting rounds: stop is set, yet rounds and downloads go on
+        self._parting_until = 0.0  # parting rounds (monotonic deadline): stop is set, yet rounds and downloads go on
         self.counters = Counters()
         self.states: list[GlobalState] = []
         self.inflight: InFlight | None = None
@@ -914,8 +914,9 @@ class Learner:
         self.writer.flush()
 
     def _leaving(self) -> bool:
-        """Whether matchmaking and downloads should give up: we are leaving, and not in a parting round."""
-        return self.leave_now.is_set() or (self.stop.is_set() and not self._parting)
+        """Whether matchmaking and downloads should give up: we are leaving, and not in (the time left
+        for) the parting rounds."""
+        return self.leave_now.is_set() or (self.stop.is_set() and time.monotonic() > self._parting_until)
 
     def _parting_rounds(self) -> None:
         """Leaving on Ctrl+C or SIGTERM: hand the unmerged inner steps to the swarm before going.
@@ -940,7 +941,7 @@ class Learner:
         if not any(p != self.peer_id and r.status == "training" for p, r in self.board.read().items()):
             self.log("leaving: no peer is training; the unmerged steps stay in the checkpoint")
             return
-        deadline, self._parting = time.monotonic() + budget, True
+        deadline = self._parting_until = time.monotonic() + budget
         self.log(f"leaving: handing {max(c.steps_since_merge):.0f} unmerged inner steps to the swarm in a last round "
                  f"of {len(todo)} fragment(s), for at most {budget:g} s (signal again to leave now)")
         clock = self.clock

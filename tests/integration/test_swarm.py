@@ -109,6 +109,26 @@ def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
     _assert_one_lineage(swarm, range(2), left_at + 1)
 
 
+@pytest.mark.timeout(200)
+def test_parting_rounds_that_find_no_group_give_up_after_drain_seconds(swarm):
+    """Quorum 3, one of the three killed: the other two, stopped, cannot merge their last steps. Their
+    parting rounds give up after run.drain_seconds (8 s), although one round may wait 120 s."""
+    quorum = ["--set", "averaging.min_group_size=3", "--set", "averaging.round_timeout=120",
+              "--set", "run.drain_seconds=8"]
+    swarm.start_bootstrap()
+    learners = [swarm.start_learner(i, max_outer_steps=50, extra=quorum) for i in range(3)]
+    wait_until(lambda: all(committed_version(p) >= 1 for p in learners), 150, learners[0], "version 1")
+    wait_until(lambda: all("step=30 " in p.text() for p in learners[:2]), 60, learners[0], "step 30")
+    os.kill(learners[2].pid, signal.SIGKILL)
+    learners[2].wait(10)
+    for p in learners[:2]:
+        p.popen.send_signal(signal.SIGTERM)
+    for p in learners[:2]:
+        assert p.wait(45) == 0, p.text()
+        assert "not merged; their steps stay in the checkpoint" in p.text(), p.text()
+        assert not processes_in_group(p.pid), processes_in_group(p.pid)
+
+
 @pytest.mark.timeout(120)
 def test_bootstrap_identity_survives_restart(swarm):
     first = swarm.start_bootstrap()

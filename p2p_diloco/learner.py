@@ -960,6 +960,8 @@ class Learner:
                 self._start_round(frag, background=False)
                 if self._last_outcome is not None and self._last_outcome.committed:
                     break
+                if clock is None and self.leave_now.wait(1.0):  # a round that failed at once: no busy loop
+                    break
         left = sum(1 for frag in todo if open_(frag))
         self.log("leaving: " + (f"{left} fragment(s) not merged; their steps stay in the checkpoint" if left
                                 else "every fragment's steps merged"))

@@ -15,6 +15,9 @@ gaps (mean ``--mtbf / M`` for the swarm, i.e. ``--mtbf`` per learner), and resta
 Goodput = Σ over learners of (inner steps that reached the global model × that learner's seconds per
 inner step) / (M × wall time): the fraction of learner-seconds whose work was merged. Killed time,
 time blocked waiting for a group and steps lost since the last checkpoint all count as lost.
+At the end every learner gets SIGTERM at the same moment and stops training; in their parting
+rounds (``run.drain_seconds``) they merge the steps taken since their last round with each other.
+Only learner 0 evaluates during the run (every 4th outer step), as one evaluator would.
 ``goodput_after_start`` divides the same merged work by the learner-seconds after each learner's
 first start-up (process start to its first inner step, the same in every mode and paid once in a
 long run); restarts after a kill still count in full. Cost per kill = (the mode's failure-free

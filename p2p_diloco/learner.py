@@ -210,6 +210,7 @@ class Learner:
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
         self._unconfirmed: dict[int, Unconfirmed] = {}  # fragment → outer gradient of a round we did not see end
         self._sampler_cursor: int | None = None  # from the checkpoint
+        self._seen_records: dict[str, ProgressRecord] | None = None  # the last DHT lookup (_records)
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str, level: int = logging.INFO) -> None:
@@ -470,9 +471,17 @@ class Learner:
         return max((r.fragment_version(fragment) for p, r in records.items()
                     if p != self.peer_id and r.status != "left"), default=0)
 
-    def _behind(self) -> tuple[list[str], list[int], str]:
+    def _records(self, fresh: bool) -> dict[str, ProgressRecord]:
+        """The swarm's progress records: looked up in the DHT now, or as last seen (the heartbeat
+        thread looks them up every ``record_ttl / 3``), so that the training loop does not wait for a
+        DHT lookup, which on a WAN takes round trips to far peers."""
+        if fresh or self._seen_records is None:
+            self._seen_records = self.board.read()
+        return self._seen_records
+
+    def _behind(self, fresh: bool = True) -> tuple[list[str], list[int], str]:
         """Peers to download from (newest first), the fragments to take and why, from the progress records."""
-        records = {p: r for p, r in self.board.read().items() if p != self.peer_id}
+        records = {p: r for p, r in self._records(fresh).items() if p != self.peer_id}
         live = {p: r for p, r in records.items() if r.status != "left"}
         self._done_ahead = max([self._done_ahead] + [r.version for r in live.values() if r.status == "done"])
         ahead, siblings, fragments = {}, {}, set()
@@ -518,7 +527,7 @@ class Learner:
         """
         if self.download is not None:
             return []
-        peers, fragments, reason = self._behind()
+        peers, fragments, reason = self._behind(fresh=not background)
         if not fragments:
             return []
         self.log(f"the swarm {reason} our version {self.version} of fragments {fragments}: downloading"
@@ -671,6 +680,7 @@ class Learner:
                 self._checkpoint()
         else:
             c.rounds_failed += 1
+            self._seen_records = None  # the swarm may have moved on: the next catch-up looks it up afresh
             if task.tokens > 0:
                 # Our outer gradient may have reached reducers whose group committed without us.
                 self._unconfirmed[f] = task.unconfirmed(self.states[f].version)
@@ -786,6 +796,7 @@ class Learner:
         period = self.cfg.network.record_ttl / 3
         while not self._heartbeat_stop.wait(period):
             self._publish(self._status)
+            self._records(fresh=True)
 
     def _checkpoint(self) -> None:
         c = self.counters

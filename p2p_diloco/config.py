@@ -207,6 +207,8 @@ class LearnerConfig(_Section):
         if self.sync.fragment_compression and len(self.sync.fragment_compression) != p:
             raise ValueError(f"sync.fragment_compression lists {len(self.sync.fragment_compression)} codecs "
                              f"for {p} fragments")
+        if self.inner.lr_schedule == "constant" and self.inner.decay_steps is not None:
+            raise ValueError("inner.decay_steps applies only with inner.lr_schedule = cosine")
         if self.inner.lr_schedule == "cosine" and self.decay_steps is None:
             raise ValueError("inner.lr_schedule = cosine needs inner.decay_steps or run.max_outer_steps")
         if self.decay_steps is not None and self.decay_steps <= self.inner.warmup_steps:

@@ -194,7 +194,10 @@ class Learner:
         self.faults = faults or FaultPlan()
         self.stop = stop or threading.Event()
         self.leave_now = threading.Event()  # a second Ctrl+C / SIGTERM: skip the parting rounds
-        self._parting_until = 0.0  # parting rounds (monotonic deadline): stop is set, yet rounds and downloads go on
+        # When the parting budget ends (monotonic), set at the first look after the stop signal: until
+        # then rounds and downloads go on although stop is set (see _leaving).
+        self._parting_until: float | None = None
+        self._training = False  # a stop before training began (set-up, first download) leaves at once
         self.counters = Counters()
         self.states: list[GlobalState] = []
         self.inflight: InFlight | None = None
@@ -211,6 +214,7 @@ class Learner:
         self._unconfirmed: dict[int, Unconfirmed] = {}  # fragment → outer gradient of a round we did not see end
         self._sampler_cursor: int | None = None  # from the checkpoint
         self._seen_records: dict[str, ProgressRecord] | None = None  # the last DHT lookup (_records)
+        self._records_stale = False  # set after a failed round; cleared by the next _records() lookup
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str, level: int = logging.INFO) -> None:
@@ -475,7 +479,8 @@ class Learner:
         """The swarm's progress records: looked up in the DHT now, or as last seen (the heartbeat
         thread looks them up every ``record_ttl / 3``), so that the training loop does not wait for a
         DHT lookup, which on a WAN takes round trips to far peers."""
-        if fresh or self._seen_records is None:
+        if fresh or self._seen_records is None or self._records_stale:
+            self._records_stale = False  # before the lookup: a round failing meanwhile marks it stale again
             self._seen_records = self.board.read()
         return self._seen_records
 
@@ -680,7 +685,7 @@ class Learner:
                 self._checkpoint()
         else:
             c.rounds_failed += 1
-            self._seen_records = None  # the swarm may have moved on: the next catch-up looks it up afresh
+            self._records_stale = True  # the swarm may have moved on: the next catch-up looks it up afresh
             if task.tokens > 0:
                 # Our outer gradient may have reached reducers whose group committed without us.
                 self._unconfirmed[f] = task.unconfirmed(self.states[f].version)
@@ -796,7 +801,7 @@ class Learner:
         period = self.cfg.network.record_ttl / 3
         while not self._heartbeat_stop.wait(period):
             self._publish(self._status)
-            self._records(fresh=True)
+            self._seen_records = self.board.read()  # leaves _records_stale to the training thread
 
     def _checkpoint(self) -> None:
         c = self.counters
@@ -893,6 +898,7 @@ class Learner:
 
     def _train(self) -> None:
         cfg, c = self.cfg, self.counters
+        self._training = True
         losses: list[float] = []
         started_at = time.perf_counter()
         while not self.stop.is_set() and not self._finished():
@@ -921,24 +927,36 @@ class Learner:
             self._poll_download()
         self._checkpoint()  # keeps inner steps taken since the last round
         if self.stop.is_set() and not self._finished():
-            self._parting_rounds()
+            try:
+                self._parting_rounds()
+            finally:
+                self._parting_until = 0.0  # over: anything still forming gives up now
+            self._checkpoint()  # what the parting rounds merged or adopted
         self.writer.flush()
 
     def _leaving(self) -> bool:
-        """Whether matchmaking and downloads should give up: we are leaving, and not in (the time left
-        for) the parting rounds."""
-        return self.leave_now.is_set() or (self.stop.is_set() and time.monotonic() > self._parting_until)
+        """Whether matchmaking and downloads should give up: we are leaving and the parting budget
+        (``run.drain_seconds`` from the first look after the signal) is spent, or were told twice.
+        A round already forming when the signal lands goes on within that budget: it is the
+        parting round the others are meeting in."""
+        if self.leave_now.is_set():
+            return True
+        if not self.stop.is_set():
+            return False
+        if self._parting_until is None:
+            self._parting_until = time.monotonic() + (self.cfg.run.drain_seconds if self._training else 0.0)
+        return time.monotonic() > self._parting_until
 
     def _parting_rounds(self) -> None:
         """Leaving on Ctrl+C or SIGTERM: hand the unmerged inner steps to the swarm before going.
 
         Each fragment holding steps not yet merged joins one more round, in the foreground: at its
         next slot on the clock schedule (where the others will be), at once and again until a group
-        forms on the steps schedule, all within ``run.drain_seconds``. A second signal cuts it short
-        after the attempt under way. The checkpoint was written just before, and each commit writes
-        another, so a kill meanwhile loses nothing; without a live peer there is no one to hand the
-        steps to and they stay in the checkpoint for a ``--resume``.
-        """
+        forms on the steps schedule, all within ``run.drain_seconds`` of the signal (an all-reduce
+        under way at the deadline finishes first). A second signal cuts it short. The checkpoint
+        was written just before, and each commit writes another, so a kill meanwhile loses nothing;
+        without a live peer there is no one to hand the steps to and they stay in the checkpoint for
+        a ``--resume``; nor while a late round still occupies the averager (it may hold them)."""
         cfg, c, target = self.cfg, self.counters, self.cfg.run.max_outer_steps
         budget = cfg.run.drain_seconds
 
@@ -949,12 +967,23 @@ class Learner:
         todo = [frag for frag in self.fragments if open_(frag)]
         if budget <= 0 or not todo or self.leave_now.is_set():
             return
+        if self._leaving():  # the round that was forming at the signal used the whole budget
+            self.log("leaving: no time left for a parting round (run.drain_seconds); the unmerged steps stay in "
+                     "the checkpoint")
+            return
+        if self.detached is not None:
+            # The averager is still busy with it (until its all-reduce timeout); a round now would
+            # queue behind it, past the budget, and might send the steps that round holds again.
+            self.log("leaving: a late round is still running; the unmerged steps stay in the checkpoint")
+            return
         if not any(p != self.peer_id and r.status == "training" for p, r in self.board.read().items()):
             self.log("leaving: no peer is training; the unmerged steps stay in the checkpoint")
             return
-        deadline = self._parting_until = time.monotonic() + budget
+        assert self._parting_until is not None  # set by _leaving() above
+        deadline = self._parting_until
         self.log(f"leaving: handing {max(c.steps_since_merge):.0f} unmerged inner steps to the swarm in a last round "
-                 f"of {len(todo)} fragment(s), for at most {budget:g} s (signal again to leave now)")
+                 f"of {len(todo)} fragment(s), for at most {deadline - time.monotonic():.0f} s more (signal again to "
+                 "leave now)")
         clock = self.clock
         if clock is not None:
             todo.sort(key=lambda frag: clock.next_slot(frag, get_dht_time()))
@@ -965,7 +994,12 @@ class Learner:
                     break
                 if self.leave_now.wait(wait):
                     break
-                self._catch_up()
+                if deadline - time.monotonic() > cfg.averaging.next_chunk_timeout:  # room for a download
+                    try:
+                        self._catch_up()
+                    except LearnerError as e:  # the swarm has finished meanwhile
+                        self.log(f"leaving: {e}", logging.WARNING)
+                        return
                 if not open_(frag):
                     break
                 self._start_round(frag, background=False)

@@ -36,6 +36,7 @@ def test_cosine_decays_over_the_whole_run_by_default():
     (["inner.lr_schedule=cosine"], "needs inner.decay_steps or run.max_outer_steps"),
     (["inner.lr_schedule=cosine", "inner.decay_steps=5", "inner.warmup_steps=5"], "must end after the warm-up"),
     (["inner.lr_schedule=linear"], "lr_schedule"),
+    (["inner.decay_steps=100"], "applies only with inner.lr_schedule = cosine"),
 ])
 def test_bad_schedules_are_refused_in_one_line(overrides, words):
     with pytest.raises(ConfigError, match=words) as e:

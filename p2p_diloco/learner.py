@@ -976,7 +976,7 @@ class Learner:
             # queue behind it, past the budget, and might send the steps that round holds again.
             self.log("leaving: a late round is still running; the unmerged steps stay in the checkpoint")
             return
-        if not any(p != self.peer_id and r.status == "training" for p, r in self.board.read().items()):
+        if not any(p != self.peer_id and r.status == "training" for p, r in self._records(fresh=True).items()):
             self.log("leaving: no peer is training; the unmerged steps stay in the checkpoint")
             return
         assert self._parting_until is not None  # set by _leaving() above

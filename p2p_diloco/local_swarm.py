@@ -37,13 +37,16 @@ class SwarmOptions:
 
 
 _PR_SET_PDEATHSIG = 1
+STOP_GRACE = 45.0  # seconds: a learner's parting rounds take up to run.drain_seconds (20 s by default)
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGTERM when its parent dies (it still leaves cleanly).
+def sigterm_when_parent_dies() -> None:
+    """``preexec_fn``: the child gets SIGTERM when its supervisor dies (it still leaves cleanly).
 
     Runs between fork and exec; ``ip netns exec`` execs its command without forking, so the flag
-    reaches the p2p-diloco process there too."""
+    reaches the p2p-diloco process there too. (``lifecycle.die_with_parent`` is the learner's own
+    variant for hivemind's forked helpers: SIGKILL, and it imports hivemind, which this supervisor
+    does not need.)"""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
@@ -60,7 +63,7 @@ async def _pump(name: str, stream: asyncio.StreamReader) -> None:
 async def _spawn(name: str, args: list[str]) -> tuple[asyncio.subprocess.Process, asyncio.Task]:
     proc = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True, preexec_fn=die_with_parent,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True, preexec_fn=sigterm_when_parent_dies,
     )
     return proc, asyncio.create_task(_pump(name, proc.stdout))
 
@@ -76,9 +79,8 @@ async def _wait_for_file(path: Path, proc: asyncio.subprocess.Process, timeout: 
     raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
 
 
-async def stop_all(procs: list[asyncio.subprocess.Process], grace: float = 45.0) -> None:
-    """SIGTERM every process, wait up to ``grace`` seconds (a learner's parting rounds take up to
-    ``run.drain_seconds``, 20 s by default), then SIGKILL the rest."""
+async def stop_all(procs: list[asyncio.subprocess.Process], grace: float = STOP_GRACE) -> None:
+    """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL the rest."""
     for p in procs:
         if p.returncode is None:
             p.send_signal(signal.SIGTERM)

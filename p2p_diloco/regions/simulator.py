@@ -26,7 +26,14 @@ from pathlib import Path
 import uvloop
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.local_swarm import die_with_parent, lineage_verdict, print_summary_table, read_summaries, stop_all
+from p2p_diloco.local_swarm import (
+    STOP_GRACE,
+    lineage_verdict,
+    print_summary_table,
+    read_summaries,
+    sigterm_when_parent_dies,
+    stop_all,
+)
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
 from p2p_diloco.regions.topology import Topology
@@ -40,7 +47,7 @@ class RegionsOptions:
     workdir: Path
     extra: list[str] = field(default_factory=list)  # ["--set", "inner.lr=1e-3", ...] for every learner
     startup_timeout: float = 120.0
-    stop_grace: float = 45.0  # a learner's parting rounds take up to run.drain_seconds (20 s)
+    stop_grace: float = STOP_GRACE
 
 
 def _in_ns(host: Host, args: list[str]) -> list[str]:
@@ -65,7 +72,7 @@ class Supervisor:
             *_in_ns(host, args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             # Own session: Ctrl+C reaches only the supervisor, which then stops everyone in order.
-            start_new_session=True, preexec_fn=die_with_parent,
+            start_new_session=True, preexec_fn=sigterm_when_parent_dies,
         )
         self.procs[host.name] = proc
         self.pumps.append(asyncio.create_task(_pump(host.name, proc.stdout)))

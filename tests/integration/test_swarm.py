@@ -85,7 +85,11 @@ def test_sigkill_of_one_learner_does_not_stop_the_others(swarm):
 @pytest.mark.timeout(240)
 def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
     swarm.start_bootstrap()
-    a, b = (swarm.start_learner(i, max_outer_steps=50) for i in range(2))
+    # 0.1 s per step: the signal lands at step 31-34, well before the round at step 40. (Unslowed, at
+    # 45 steps/s, it could land at step 39; that round, already forming at the signal, then merges
+    # the steps and no parting round is needed.)
+    slow = ["--set", "inner.extra_step_seconds=0.1"]
+    a, b = (swarm.start_learner(i, max_outer_steps=50, extra=slow) for i in range(2))
     wait_until(lambda: committed_version(a) >= 1 and committed_version(b) >= 1, 120, a, "version 1")
     # Signalled mid-way through an outer step, each holds inner steps not merged yet.
     wait_until(lambda: all("step=30 " in p.text() for p in (a, b)), 60, a, "step 30")

@@ -120,15 +120,7 @@ def _run_learner(args: argparse.Namespace) -> int:
     stop = threading.Event()
     learner = Learner(cfg, stop, faults)
 
-    def on_signal(signum, _frame):
-        name, log = signal.Signals(signum).name, logging.getLogger("p2p_diloco")
-        if stop.is_set():
-            log.info(f"caught {name} again; leaving without the parting rounds")
-            learner.leave_now.set()
-        else:
-            log.info(f"caught {name}; leaving after this step")
-            stop.set()
-
+    on_signal = stop_handler(stop, learner.leave_now)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     summary = learner.run()
@@ -139,6 +131,31 @@ def _run_learner(args: argparse.Namespace) -> int:
         f"eval_loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f}"
     )
     return 0
+
+
+def stop_handler(stop: threading.Event, leave_now: threading.Event):
+    """The learner's SIGINT / SIGTERM handler: the first signal sets ``stop``, a second ``leave_now``.
+
+    The events are set from a short-lived thread, not from the handler itself. A Python signal
+    handler runs on the main thread between two bytecodes, possibly while that thread is inside
+    ``Event.wait`` holding the event's internal (non-reentrant) lock; ``Event.set`` there would wait
+    for that lock forever. The thread waits for it instead, until the main thread lets go.
+    """
+
+    caught = []
+
+    def on_signal(signum, _frame):
+        name, log = signal.Signals(signum).name, logging.getLogger("p2p_diloco")
+        caught.append(name)
+        if len(caught) > 1:
+            log.info(f"caught {name} again; leaving without the parting rounds")
+            event = leave_now
+        else:
+            log.info(f"caught {name}; leaving after this step")
+            event = stop
+        threading.Thread(target=event.set, name=f"on-{name}", daemon=True).start()
+
+    return on_signal
 
 
 def _run_bootstrap(args: argparse.Namespace) -> int:

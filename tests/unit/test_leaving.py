@@ -60,3 +60,25 @@ def test_the_training_loop_reads_records_as_last_seen_until_a_round_fails():
     assert learner._records(fresh=False) == {"peer": 3}
     assert learner._records(fresh=False) == {"peer": 3}
     assert learner.board.reads == 3
+
+
+def test_the_signal_handler_returns_even_while_the_events_lock_is_held():
+    """A signal can land while the main thread is inside ``Event.wait`` holding the event's lock.
+
+    The handler must return at once there (``Event.set`` inline would wait for that lock forever, on
+    the very thread that holds it); the event is set as soon as the lock is let go.
+    """
+    import signal
+
+    from p2p_diloco.cli import stop_handler
+
+    stop, leave_now = threading.Event(), threading.Event()
+    on_signal = stop_handler(stop, leave_now)
+    for event, signum in ((stop, signal.SIGTERM), (leave_now, signal.SIGINT)):  # the second one: leave now
+        with event._cond:  # held the way Event.wait holds it between two bytecodes
+            handler = threading.Thread(target=on_signal, args=(signum, None))
+            handler.start()
+            handler.join(2.0)
+            assert not handler.is_alive(), "the handler blocked on the event's lock"
+        assert event.wait(5.0)
+    assert stop.is_set() and leave_now.is_set()

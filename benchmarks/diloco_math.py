@@ -9,6 +9,11 @@ shards, seeds and inner hyperparameters as the learners (``peers/small-cpu.toml`
 - ``diloco H lr mu``: M workers, H AdamW steps each, then the mean of their outer gradients goes
   through the project's own :class:`~p2p_diloco.outer.OuterOptimizer` (Nesterov), every worker restarts
   from the new Θ (keeping its AdamW state), as in plain synchronous DiLoCo with no failures.
+- ``decoupled H lr mu policy`` (``--decoupled``): the learners' Decoupled DiLoCo arithmetic with
+  ``sync.fragments`` = P, ``sync.overlap_steps`` = τ and ``averaging.compression`` from the config:
+  fragment f's round starts at the steps where ``s % H == f·H/P`` (:func:`~p2p_diloco.fragments.due_fragments`),
+  each outer gradient and their mean cross the codec once each (as input and result of the
+  all-reduce), and the new Θ_f reaches the workers τ steps later under ``policy`` (overwrite or mix).
 
     .venv/bin/python benchmarks/diloco_math.py --steps 600 --json benchmarks/results/diloco_math.json
 """
@@ -27,8 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from p2p_diloco.codecs import get_codec  # noqa: E402
 from p2p_diloco.config import load_learner_config  # noqa: E402
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
+from p2p_diloco.fragments import build_fragments, due_fragments  # noqa: E402
 from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
 from p2p_diloco.model import build_model  # noqa: E402
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
@@ -36,9 +43,9 @@ from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseu
 
 def run(variant: tuple, m: int, steps: int, every: int, config: str, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
-    kind, h, lr, mu = variant
+    kind, h, lr, mu, policy = variant
     cfg = load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}",
-                                       *overrides])
+                                       *([f"inner.steps_per_outer={h}"] if h else []), *overrides])
     splits = load_splits(cfg.data, [None, *range(m)])  # one pass over the corpus for all of them
     evals = fixed_eval_batches(splits[None], cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches)
 
@@ -73,6 +80,8 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str, overrides: 
             step(model, opt, [sm.next_batch() for sm in used], s - 1)
             if s % every == 0:
                 curve.append((s, evaluate(model)))
+    elif kind == "decoupled":
+        curve += decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, policy)
     else:
         state, outer = GlobalState.from_module(base), OuterOptimizer(cfg.outer)
         workers = [copy.deepcopy(base) for _ in range(m)]
@@ -88,12 +97,74 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str, overrides: 
             if s % every == 0:
                 load_into_module(base, state.params)
                 curve.append((s, evaluate(base)))
-    name = kind if kind != "diloco" else f"diloco H={h} lr={lr} mu={mu}"
+    name = {"dp": "dp", "single": "single", "diloco": f"diloco H={h} lr={lr} mu={mu}",
+            "decoupled": f"decoupled P={cfg.sync.fragments} τ={cfg.sync.overlap_steps} "
+                         f"{cfg.averaging.compression} {policy} H={h} lr={lr} mu={mu}"}[kind]
     return {"variant": name, "curve": curve}
+
+
+def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, policy) -> list:
+    h, tau, codec = cfg.inner.steps_per_outer, cfg.sync.overlap_steps, get_codec(cfg.averaging.compression)
+    frags = build_fragments([(n, p.shape) for n, p in base.named_parameters()], cfg.sync.fragments, h)
+    whole = [p.detach().clone() for p in base.parameters()]
+    states = [GlobalState(params=[whole[i].clone() for i in f.tensor_indices],
+                          momentum=[torch.zeros_like(whole[i]) for i in f.tensor_indices]) for f in frags]
+    outer = OuterOptimizer(cfg.outer)
+    workers = [copy.deepcopy(base) for _ in range(m)]
+    opts = [adamw(w) for w in workers]
+    pending: list[tuple[int, int, list]] = []  # (step to apply at, fragment, each worker's snapshot)
+
+    def wire(ts):  # one crossing of the codec, as in the all-reduce
+        return [codec._decode(codec._encode(t.reshape(-1)), t.numel()).view_as(t) for t in ts]
+
+    def local(w, f):
+        params = list(w.parameters())
+        return [params[i] for i in frags[f].tensor_indices]
+
+    curve = []
+    for s in range(1, steps + 1):
+        for w, opt, sm in zip(workers, opts, samplers, strict=True):
+            step(w, opt, [sm.next_batch()], s - 1)
+        for frag in due_fragments(frags, s, h):
+            f = frag.index
+            snaps = [[p.detach().clone() for p in local(w, f)] for w in workers]
+            deltas = [wire(pseudo_gradient(states[f].params, snap)) for snap in snaps]
+            outer.apply(states[f], wire(weighted_mean(deltas, [1.0] * m)))
+            pending.append((s + tau, f, snaps))
+        for due in [x for x in pending if x[0] == s]:
+            pending.remove(due)
+            _, f, snaps = due
+            with torch.no_grad():
+                for w, snap in zip(workers, snaps, strict=True):
+                    for p, g, sn in zip(local(w, f), states[f].params, snap, strict=True):
+                        p.copy_(g + (p - sn) if policy == "mix" else g)
+        if s % every == 0:
+            for frag, st in zip(frags, states, strict=True):
+                for i, g in zip(frag.tensor_indices, st.params, strict=True):
+                    whole[i].copy_(g)
+            load_into_module(base, whole)
+            curve.append((s, evaluate(base)))
+    return curve
 
 
 def steps_to(curve, loss):
     return next((s for s, v in curve if v <= loss), None)
+
+
+def _reference_dp(a) -> dict:
+    """The dp result of an earlier run, refused unless everything dp depends on was the same."""
+    old = json.loads(Path(a.dp_from).read_text())
+
+    def dp_settings(overrides):  # outer, sync and averaging settings do not touch data parallel
+        return sorted(o for o in overrides if o.split(".")[0] in ("model", "data", "inner", "run"))
+
+    mine = (a.learners, a.steps, dp_settings(a.overrides))
+    if (old["learners"], old["steps"], dp_settings(old["overrides"])) != mine:
+        raise SystemExit(f"--dp-from {a.dp_from}: learners, steps or model/data/inner settings differ from this run")
+    dp = old["results"][0]
+    if dp["variant"] != "dp" or [s for s, _ in dp["curve"]] != list(range(0, a.steps + 1, a.every)):
+        raise SystemExit(f"--dp-from {a.dp_from}: no data-parallel curve evaluated every {a.every} steps")
+    return dp
 
 
 def main() -> int:
@@ -108,15 +179,25 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="config override for every variant, e.g. inner.lr_schedule=cosine (repeatable)")
     p.add_argument("--no-single", action="store_true", help="leave out the single-worker variant")
+    p.add_argument("--no-diloco", action="store_true", help="leave out the synchronous DiLoCo variants")
+    p.add_argument("--decoupled", default=None, metavar="POLICIES",
+                   help="also the decoupled variants, for these comma-separated apply policies (overwrite,mix); "
+                        "P, τ and the codec come from the config (--set sync.fragments=4 ...)")
+    p.add_argument("--dp-from", default=None, metavar="JSON",
+                   help="take the data-parallel curve from an earlier --json of the same learners, steps, model, "
+                        "data and inner settings instead of training it again")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    variants = [("dp", 0, 0.7, 0.9)] + [("single", 0, 0.7, 0.9)] * (not a.no_single)
-    variants += [("diloco", int(h), float(o.split(":")[0]), float(o.split(":")[1]))
-                 for h in a.h.split(",") for o in a.outer.split(",")]
+    reference = _reference_dp(a) if a.dp_from else None
+    variants = [("dp", 0, 0.7, 0.9, None)] * (reference is None) + [("single", 0, 0.7, 0.9, None)] * (not a.no_single)
+    kinds = [("diloco", None)] * (not a.no_diloco) + [("decoupled", p) for p in (a.decoupled or "").split(",") if p]
+    variants += [(kind, int(h), float(o.split(":")[0]), float(o.split(":")[1]), policy)
+                 for kind, policy in kinds for h in a.h.split(",") for o in a.outer.split(",")]
     with ProcessPoolExecutor(a.jobs) as pool:
         n = len(variants)
         results = list(pool.map(run, variants, [a.learners] * n, [a.steps] * n, [a.every] * n, [a.config] * n,
                                 [a.overrides] * n))
+    results = [reference] * (reference is not None) + results
     dp = results[0]["curve"]
     half = dp[len(dp) // 2]
     print(f"M = {a.learners}, {a.steps} inner steps per worker, equal tokens; eval every {a.every} steps; "

@@ -26,7 +26,8 @@ after the round started (``sync.apply_policy``):
   than mixing as the number of learners grows, and it keeps every learner's θ_f equal to the shared
   Θ_f right after a sync.
 - ``mix``: θ_f ← Θ_f + (θ_f − θ_f at the round's start): the τ steps of local progress are kept on
-  top of the new global fragment and contribute to the next round.
+  top of the new global fragment and contribute to the next round. With M = 2 it measured 1.9–3.2
+  points closer to data parallel than ``overwrite`` (docs/design.md, "Overlap and the apply policy").
 """
 
 from __future__ import annotations

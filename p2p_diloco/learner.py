@@ -49,7 +49,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco import STARTED
 from p2p_diloco.averaging import HivemindAveraging
-from p2p_diloco.checkpoint import CheckpointWriter, claim_checkpoint_dir, load_checkpoint
+from p2p_diloco.checkpoint import CheckpointError, CheckpointWriter, claim_checkpoint_dir, load_checkpoint
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.faults import FaultPlan
@@ -362,6 +362,11 @@ class Learner:
         self.inner_opt.load_state_dict(payload["inner_opt"])
         self.counters = Counters(**payload["counters"])
         self._sampler_cursor = payload["sampler_cursor"]  # applied once the data is loaded (_setup)
+        if "lr_position" in payload:  # checkpoints before it restart at version · H
+            try:
+                self.lr_position.load(payload["lr_position"])
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"checkpoint in {self.ckpt_dir}: bad lr_position ({e})") from None
         # We may have died in a round after sending our outer gradient, and the others may have
         # committed it. A round in flight or unconfirmed at the checkpoint is saved with its
         # snapshot; any other fragment's progress in the checkpoint is all it could have sent.
@@ -825,6 +830,7 @@ class Learner:
             "inner_opt": self.inner_opt.state_dict(),
             "counters": vars(self.counters).copy(),
             "sampler_cursor": self.sampler.cursor,
+            "lr_position": self.lr_position.state(),
         }
         version = self.version
         self.writer.submit(payload, before_rename=lambda: self.faults.fire("checkpoint", version))

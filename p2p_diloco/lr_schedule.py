@@ -41,3 +41,13 @@ class SchedulePosition:
         position = version * self.h + min(self._steps, self.h)
         self._steps += 1
         return position
+
+    def state(self) -> list[int]:
+        """[version, steps taken on it], for a checkpoint: a resumed learner goes on where it was."""
+        return [self._version, self._steps]
+
+    def load(self, state: list[int]) -> None:
+        version, steps = (int(x) for x in state)
+        if steps < 0:
+            raise ValueError(f"lr schedule position: negative step count {steps}")
+        self._version, self._steps = version, steps

@@ -52,3 +52,15 @@ def test_the_position_follows_the_global_version():
     assert max(pos.step(1) for _ in range(50)) == 20
     # One that joins late starts where the swarm is, not at the warm-up.
     assert SchedulePosition(10).step(7) == 70
+
+
+def test_a_resumed_position_goes_on_where_it_was():
+    before = SchedulePosition(steps_per_outer=10)
+    for _ in range(4):
+        before.step(3)
+    after = SchedulePosition(10)
+    after.load(before.state())
+    assert after.step(3) == 34  # not 30: the steps already taken on version 3 count
+    assert after.step(4) == 40
+    with pytest.raises(ValueError, match="negative"):
+        after.load([3, -1])

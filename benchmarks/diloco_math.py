@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.codecs import get_codec  # noqa: E402
-from p2p_diloco.config import load_learner_config  # noqa: E402
+from p2p_diloco.config import ConfigError, load_learner_config  # noqa: E402
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
 from p2p_diloco.fragments import build_fragments, due_fragments  # noqa: E402
 from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
@@ -41,11 +41,18 @@ from p2p_diloco.model import build_model  # noqa: E402
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
 
 
+def variant_config(variant: tuple, m: int, config: str, overrides: list[str]):
+    kind, h, lr, mu, _ = variant
+    if kind in ("dp", "single"):  # no rounds: settings of the rounds (which may not fit its H) do not apply
+        overrides = [o for o in overrides if o.split(".")[0] not in ("sync", "averaging", "outer")]
+    return load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}",
+                                        *([f"inner.steps_per_outer={h}"] if h else []), *overrides])
+
+
 def run(variant: tuple, m: int, steps: int, every: int, config: str, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     kind, h, lr, mu, policy = variant
-    cfg = load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}",
-                                       *([f"inner.steps_per_outer={h}"] if h else []), *overrides])
+    cfg = variant_config(variant, m, config, overrides)
     splits = load_splits(cfg.data, [None, *range(m)])  # one pass over the corpus for all of them
     evals = fixed_eval_batches(splits[None], cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches)
 
@@ -193,6 +200,11 @@ def main() -> int:
     kinds = [("diloco", None)] * (not a.no_diloco) + [("decoupled", p) for p in (a.decoupled or "").split(",") if p]
     variants += [(kind, int(h), float(o.split(":")[0]), float(o.split(":")[1]), policy)
                  for kind, policy in kinds for h in a.h.split(",") for o in a.outer.split(",")]
+    for v in variants:  # every variant's settings checked before any trains (a worker's error ends the run)
+        try:
+            variant_config(v, a.learners, a.config, a.overrides)
+        except ConfigError as e:
+            raise SystemExit(f"{v[0]} H={v[1]}: {e}") from None
     with ProcessPoolExecutor(a.jobs) as pool:
         n = len(variants)
         results = list(pool.map(run, variants, [a.learners] * n, [a.steps] * n, [a.every] * n, [a.config] * n,

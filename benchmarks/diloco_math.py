@@ -32,7 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.codecs import get_codec  # noqa: E402
+from hivemind.compression import CompressionInfo  # noqa: E402
+
+from p2p_diloco.codecs import decode, get_codec  # noqa: E402
 from p2p_diloco.config import ConfigError, load_learner_config  # noqa: E402
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
 from p2p_diloco.fragments import build_fragments, due_fragments  # noqa: E402
@@ -41,10 +43,16 @@ from p2p_diloco.model import build_model  # noqa: E402
 from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
 
 
+def dp_overrides(overrides: list[str]) -> list[str]:
+    """The overrides data parallel depends on: no rounds, so no outer, sync or averaging settings (which
+    may not even fit its H)."""
+    return [o for o in overrides if o.split(".")[0] in ("model", "data", "inner", "run")]
+
+
 def variant_config(variant: tuple, m: int, config: str, overrides: list[str]):
     kind, h, lr, mu, _ = variant
-    if kind in ("dp", "single"):  # no rounds: settings of the rounds (which may not fit its H) do not apply
-        overrides = [o for o in overrides if o.split(".")[0] not in ("sync", "averaging", "outer")]
+    if kind in ("dp", "single"):
+        overrides = dp_overrides(overrides)
     return load_learner_config(config, [f"data.num_shards={m}", f"outer.lr={lr}", f"outer.momentum={mu}",
                                         *([f"inner.steps_per_outer={h}"] if h else []), *overrides])
 
@@ -121,8 +129,8 @@ def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, polic
     opts = [adamw(w) for w in workers]
     pending: list[tuple[int, int, list]] = []  # (step to apply at, fragment, each worker's snapshot)
 
-    def wire(ts):  # one crossing of the codec, as in the all-reduce
-        return [codec._decode(codec._encode(t.reshape(-1)), t.numel()).view_as(t) for t in ts]
+    def wire(ts):  # one crossing of the codec, the all-reduce's own round trip (allreduce.py, part_as_sent)
+        return [decode(codec.compress(t, CompressionInfo.from_tensor(t))) for t in ts]
 
     def local(w, f):
         params = list(w.parameters())
@@ -161,12 +169,8 @@ def steps_to(curve, loss):
 def _reference_dp(a) -> dict:
     """The dp result of an earlier run, refused unless everything dp depends on was the same."""
     old = json.loads(Path(a.dp_from).read_text())
-
-    def dp_settings(overrides):  # outer, sync and averaging settings do not touch data parallel
-        return sorted(o for o in overrides if o.split(".")[0] in ("model", "data", "inner", "run"))
-
-    mine = (a.learners, a.steps, dp_settings(a.overrides))
-    if (old["learners"], old["steps"], dp_settings(old["overrides"])) != mine:
+    mine = (a.learners, a.steps, sorted(dp_overrides(a.overrides)))
+    if (old["learners"], old["steps"], sorted(dp_overrides(old["overrides"]))) != mine:
         raise SystemExit(f"--dp-from {a.dp_from}: learners, steps or model/data/inner settings differ from this run")
     dp = old["results"][0]
     if dp["variant"] != "dp" or [s for s, _ in dp["curve"]] != list(range(0, a.steps + 1, a.every)):

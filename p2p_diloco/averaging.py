@@ -379,6 +379,25 @@ class HivemindAveraging:
             bytes_sent=int(stats.get("bytes_sent", 0)),
         )
 
+    def searching_peers(self, fragment: int, version: int) -> int:
+        """How many other peers are looking for a group at (``fragment``, ``version``) right now.
+
+        Read from the DHT entries that hivemind's matchmaking declares under the group key while it
+        searches (value True until the group forms or the search expires). Entries are peers' input:
+        anything malformed is skipped.
+        """
+        key = f"{self.prefix}.0b{group_bits(fragment, version)}"
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return 0
+        ours, now, count = self.dht.peer_id.to_bytes(), get_dht_time(), 0
+        for subkey, entry in found.value.items():
+            looking = getattr(entry, "value", None)
+            expiration = getattr(entry, "expiration_time", 0.0)
+            if subkey != ours and looking is True and isinstance(expiration, int | float) and expiration > now:
+                count += 1
+        return count
+
     def _watch_for_newer_version(self, control, fragment: int, next_version: int) -> None:
         """Cancel matchmaking if the swarm already reached ``next_version``; never once all-reduce began."""
         self._superseded_by = None

@@ -205,6 +205,11 @@ class Learner:
         self.detached: InFlight | None = None  # a round we stopped waiting for at τ; still running
         self.download: Download | None = None
         self._pending: dict[int, float] = {}  # fragment → deadline (monotonic) of a slot not yet started
+        # Steps schedule: added to the step counter to find due fragments; moved when we re-join the
+        # swarm's rounds after losing phase with it (see _rephase).
+        self._phase_shift = 0
+        self._out_of_phase = False  # the last round on the steps schedule ended without a commit
+        self._next_phase_look = 0.0  # monotonic time of the next DHT look for the others' rounds
         self._target_loss_reached = False
         self._swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
         self._done_ahead = 0  # newest version seen in a peer that finished ("done")
@@ -685,12 +690,14 @@ class Learner:
             c.tokens_since_merge[f] -= task.tokens
             c.steps_since_merge[f] -= task.steps
             c.missed_versions[f] = 0
+            self._out_of_phase = False
             self._refresh_served()
             self.averaging.set_state_priority(self.version)
             if cfg.run.checkpoint_on_commit:
                 self._checkpoint()
         else:
             c.rounds_failed += 1
+            self._out_of_phase = True
             self._records_stale = True  # the swarm may have moved on: the next catch-up looks it up afresh
             if task.tokens > 0:
                 # Our outer gradient may have reached reducers whose group committed without us.
@@ -728,12 +735,14 @@ class Learner:
         self.counters.bytes_sent += out.bytes_sent
         if not out.committed:
             self.counters.rounds_failed += 1
+            self._out_of_phase = True
             self.log(f"fragment {f}: the round we stopped waiting for ended without a commit ({out.reason}); "
                      "local progress kept")
             return
         if self.download is not None and f in self.download.fragments:
             return  # a newer state of it is on the way; this one is adopted (or superseded) with it
         self.counters.outer_steps += 1
+        self._out_of_phase = False
         self.log(f"fragment {f}: the round we stopped waiting for committed version {task.state.version}")
         if f in self._adopt({f: task.state}):
             self.counters.missed_versions[f] = 0  # our own round, not a version we missed
@@ -741,11 +750,51 @@ class Learner:
     def _due(self) -> list[Fragment]:
         if self.clock is not None:
             return self.clock.due(get_dht_time())
-        return due_fragments(self.fragments, self.counters.inner_steps, self.cfg.inner.steps_per_outer)
+        return due_fragments(self.fragments, self.counters.inner_steps + self._phase_shift,
+                             self.cfg.inner.steps_per_outer)
+
+    def _rephase(self) -> None:
+        """Steps schedule: after a round without a commit, join a round the others are forming now.
+
+        Learners on the steps schedule meet because their step counters reach each fragment's slot at
+        about the same time, and a round's barrier keeps them there. One asymmetric round breaks
+        that for good: in a 9,600-step benchmark one learner's all-reduce hung for 30 s on a group
+        its partner never joined (that side saw no group after 12 s), which put the two 18 s apart,
+        longer than a round's search; from then on each searched alone at its own slots and no
+        round ever committed again. So while our last round failed, when no round of ours runs, we
+        look in the DHT (at most once per matchmaking time) for peers looking for a group at a
+        fragment and version we hold, and if there are some, move our schedule so that this
+        fragment is due now: we join their round, and its end puts us back in step with them. The
+        faster side never waits longer than a round's search; it is the one behind that moves.
+        """
+        if self.clock is not None or not self._out_of_phase or self.inflight is not None or self.detached is not None:
+            return
+        now = time.monotonic()
+        if now < self._next_phase_look:
+            return
+        self._next_phase_look = now + self.cfg.averaging.matchmaking_time
+        target, h, c = self.cfg.run.max_outer_steps, self.cfg.inner.steps_per_outer, self.counters
+        for frag in self.fragments:
+            version = self.states[frag.index].version
+            if frag.index in self._pending or (target is not None and version >= target):
+                continue
+            try:
+                others = self.averaging.searching_peers(frag.index, version)
+            except Exception as e:  # noqa: BLE001 - a failed DHT look is a missed chance, not an error
+                self.log(f"could not look for the others' rounds: {type(e).__name__}: {e}", logging.DEBUG)
+                return
+            if others:
+                shift = (frag.offset - c.inner_steps) % h
+                self.log(f"out of phase with the swarm: joining the round of fragment {frag.index} that "
+                         f"{others} other learner(s) are forming (schedule moved by {shift} of {h} steps)")
+                self._phase_shift = shift
+                self._pending[frag.index] = float("inf")
+                return
 
     def _sync_due_fragments(self) -> None:
         target = self.cfg.run.max_outer_steps
         now = time.monotonic()
+        self._rephase()
         for frag in self._due():
             # On the clock schedule a slot stays open while the group forms (matchmaking time): a
             # learner whose previous round is about to end still joins. On the steps schedule the

@@ -18,6 +18,11 @@ import threading
 import hivemind
 
 _PR_SET_PDEATHSIG = 1
+_ALIVE_CHECK_SECONDS = 1.0
+
+
+class DHTGone(RuntimeError):
+    """The DHT's background process has exited: no request to it will be answered."""
 
 
 def die_with_parent(expected_parent: int) -> None:
@@ -54,10 +59,22 @@ class LinkedDHT(hivemind.DHT):
         super().run()
 
     def _serialized(self, method, args, kwargs):
-        """Send the request under the lock; wait for the answer outside it."""
+        """Send the request under the lock; wait for the answer outside it.
+
+        The answer never comes if the DHT process is gone (a SIGTERM sent to the learner's whole
+        process group reaches it too): then this raises instead of waiting forever, so that a learner
+        that was told to stop still shuts down.
+        """
         with self._call_lock:
             future = method(*args, **{**kwargs, "return_future": True})
-        return future if kwargs.get("return_future") else future.result()
+        if kwargs.get("return_future"):
+            return future
+        while True:
+            try:
+                return future.result(timeout=_ALIVE_CHECK_SECONDS)
+            except TimeoutError:
+                if not self.is_alive():
+                    raise DHTGone("the DHT process has exited") from None
 
     def get(self, *args, **kwargs):
         return self._serialized(super().get, args, kwargs)

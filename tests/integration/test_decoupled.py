@@ -90,3 +90,21 @@ def test_a_learner_that_leaves_hands_its_unmerged_steps_to_the_swarm(swarm):
     assert "no peer is training" in stays.text(), stays.text()
     summaries = _assert_one_lineage(swarm, range(2), gone["version"])
     assert summaries[0]["versions"] == gone["versions"]
+
+
+@pytest.mark.timeout(300)
+def test_two_learners_out_of_phase_after_a_freeze_find_each_other_again(swarm):
+    """Steps schedule, P = 4: learner 1 freezes for 20 s while learner 0 fails its rounds alone, which
+    leaves them about two fragment slots apart: each then searches for a group while the other
+    searches at another fragment, and no round would commit again. The one whose round failed joins
+    the round the other is forming (found in the DHT) and the two train on in step."""
+    settings = ["--set", "inner.steps_per_outer=40", "--set", "sync.fragments=4", "--set", "sync.overlap_steps=2"]
+    swarm.start_bootstrap()
+    a = swarm.start_learner(0, max_outer_steps=4, extra=settings)
+    b = swarm.start_learner(1, max_outer_steps=4, extra=[*settings, "--fault", "hang for 20 s at round 2 during inner"])
+    for p in (a, b):
+        assert p.wait(240) == 0, p.text()
+    assert "fault injection: hang" in b.text()
+    joined = [p.text() for p in (a, b) if "out of phase with the swarm: joining the round of fragment" in p.text()]
+    assert joined, a.text() + b.text()
+    _assert_one_lineage(swarm, range(2), 4)

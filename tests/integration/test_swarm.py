@@ -113,6 +113,22 @@ def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
     _assert_one_lineage(swarm, range(2), left_at + 1)
 
 
+@pytest.mark.timeout(150)
+def test_sigterm_to_the_whole_process_group_still_shuts_down(swarm):
+    """``kill -- -PGID`` (and systemd's default stop) signal every process of the group: hivemind's
+    DHT and averager children die at once. The learner must not wait forever on their answers."""
+    swarm.start_bootstrap()
+    a, b = (swarm.start_learner(i, max_outer_steps=50) for i in range(2))
+    wait_until(lambda: committed_version(a) >= 1, 120, a, "version 1")
+    os.killpg(a.pid, signal.SIGTERM)
+    assert a.wait(60) == 0, a.text()
+    assert "caught SIGTERM" in a.text()
+    assert not processes_in_group(a.pid), processes_in_group(a.pid)
+    assert swarm.summary(0)["version"] >= 1
+    b.popen.send_signal(signal.SIGTERM)
+    assert b.wait(60) == 0, b.text()
+
+
 @pytest.mark.timeout(200)
 def test_parting_rounds_that_find_no_group_give_up_after_drain_seconds(swarm):
     """Quorum 3, one of the three killed: the other two, stopped, cannot merge their last steps. Their

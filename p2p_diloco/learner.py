@@ -764,8 +764,9 @@ class Learner:
         round ever committed again. So while our last round failed, when no round of ours runs, we
         look in the DHT (at most once per matchmaking time) for peers looking for a group at a
         fragment and version we hold, and if there are some, move our schedule so that this
-        fragment is due now: we join their round, and its end puts us back in step with them. The
-        faster side never waits longer than a round's search; it is the one behind that moves.
+        fragment is due now: we join their round, and its end puts us back in step with them. Only
+        the learner whose round failed moves, into a search already under way: nobody waits longer
+        than one search.
         """
         if self.clock is not None or not self._out_of_phase or self.inflight is not None or self.detached is not None:
             return

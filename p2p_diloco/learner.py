@@ -337,6 +337,7 @@ class Learner:
             betas=(cfg.inner.beta1, cfg.inner.beta2),
         )
         self.lr_position = SchedulePosition(cfg.inner.steps_per_outer)
+        self._lr_at = 0  # schedule position of the last inner step (logged with its lr)
         self.outer_opt = OuterOptimizer(cfg.outer)
         self.grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                                  min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
@@ -588,7 +589,8 @@ class Learner:
         loss.backward()
         if cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.inner.grad_clip)
-        self.inner_opt.lr = inner_lr(cfg.inner, self.lr_position.step(self.version), cfg.decay_steps)
+        self._lr_at = self.lr_position.step(self.version)
+        self.inner_opt.lr = inner_lr(cfg.inner, self._lr_at, cfg.decay_steps)
         self.inner_opt.step()
         if cfg.inner.extra_step_seconds:
             time.sleep(cfg.inner.extra_step_seconds)
@@ -970,7 +972,7 @@ class Learner:
                 recent = losses[-cfg.run.log_every:]
                 self.log(f"inner {c.inner_steps % cfg.inner.steps_per_outer or cfg.inner.steps_per_outer}/"
                          f"{cfg.inner.steps_per_outer} loss {sum(recent) / len(recent):.4f} ({rate:.1f} steps/s, "
-                         f"lr {self.inner_opt.lr:.2e})")
+                         f"lr {self.inner_opt.lr:.2e} at schedule step {self._lr_at})")
             if c.inner_steps % cfg.inner.steps_per_outer == 0:
                 self._end_of_outer_step(losses)
                 losses, started_at = [], time.perf_counter()

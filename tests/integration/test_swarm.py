@@ -52,18 +52,23 @@ def test_late_learner_catches_up_to_the_same_state(swarm):
     _assert_one_lineage(swarm, range(4), 8)
     assert swarm.summary(3)["syncs"] >= 1
     assert "synced global state" in late.text()
-    # Every learner's lr follows the global version v it trains on: within the schedule's values from
-    # v·H to (v+1)·H (H = 20), widened by H below because the line is logged after the step, when a
-    # round may just have moved v on, and by the 3 digits it is printed with. The newcomer, which
-    # joined at version >= 2, never warms up again.
+    # Every learner's lr follows the global version it trains on: each logged lr is the schedule's
+    # value at the logged position (to the 3 digits it is printed with), and that position is
+    # version · H + min(steps on it, H) (H = 20), never ahead of the version v the line is logged at
+    # (the line comes after the step, when a round or a download may already have moved v on, by
+    # more than one version in a download), never moving backwards. The newcomer, which joined at
+    # version >= 2, never warms up again.
     cfg = load_learner_config(SMALL, ["inner.steps_per_outer=20", "inner.lr_schedule=cosine",
                                       "inner.warmup_steps=20", "run.max_outer_steps=8"])
     for p in [*first, late]:
-        seen = [(int(v), float(lr)) for v, lr in re.findall(r"round=(\d+)\] inner .*steps/s, lr (\S+)\)", p.text())]
+        seen = [(int(v), float(lr), int(pos)) for v, lr, pos in
+                re.findall(r"round=(\d+)\] inner .*steps/s, lr (\S+) at schedule step (\d+)\)", p.text())]
         assert seen, p.text()
-        for v, lr in seen:
-            ends = [inner_lr(cfg.inner, pos, cfg.decay_steps) for pos in range(max(0, v * 20 - 20), v * 20 + 21)]
-            assert min(ends) * 0.99 <= lr <= max(ends) * 1.01, (p.name, v, lr, min(ends), max(ends))
+        for v, lr, pos in seen:
+            assert lr == pytest.approx(inner_lr(cfg.inner, pos, cfg.decay_steps), rel=0.006), (p.name, v, lr, pos)
+            assert pos <= (v + 1) * 20, (p.name, v, pos)  # at most H steps count on one version
+        assert [pos for _, _, pos in seen] == sorted(pos for _, _, pos in seen), (p.name, seen)
+    assert min(pos for pos in map(int, re.findall(r"at schedule step (\d+)\)", late.text()))) >= 40
     assert min(int(v) for v in re.findall(r"round=(\d+)\] inner ", late.text())) >= 2
 
 

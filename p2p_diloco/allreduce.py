@@ -55,6 +55,10 @@ class IncompleteAllReduce(AllreduceException):
     """Some shard of the result never arrived; the round must not be committed."""
 
 
+class NotInGroup(AllreduceException):
+    """A groupmate answered that it is in no group with this id: it will send its parts to nobody."""
+
+
 class AllOrNothingReducer(TensorPartReducer):
     """Averages each part over every sender, or fails: a sender that stops part-way fails the shard.
 
@@ -111,6 +115,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_sent = 0
         self.rejected_senders: list[str] = []
         self._open_replies = 0  # reply streams to groupmates that are still being written
+        self.not_in_group: str | None = None  # a groupmate that answered it is in no such group
 
     async def collect(self) -> list[torch.Tensor]:
         """Run the all-reduce; return the averaged tensors or raise :class:`IncompleteAllReduce`."""
@@ -118,9 +123,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         await self._wait_for_replies(timeout=self.reducer_timeout or 30.0)
         failed = self.tensor_part_container.failed_size
         if failed:
+            why = f": {self.not_in_group}" if self.not_in_group else ""
             raise IncompleteAllReduce(
                 f"{failed} of {self.tensor_part_container.total_size} values were not averaged "
-                f"(a reducer failed); the round is dropped"
+                f"(a reducer failed{why}); the round is dropped"
             )
         return outputs
 
@@ -145,6 +151,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             part_index = 0
 
             def _try_decode(msg):
+                if msg.code == averaging_pb2.BAD_GROUP_ID:
+                    raise NotInGroup(f"{peer_id} is not in this group (it never received the leader's go)")
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 return decode(msg.tensor_part)
@@ -165,6 +173,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             if isinstance(e, Exception):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
+            if isinstance(e, NotInGroup):
+                self.not_in_group = str(e)
+            if isinstance(e, NotInGroup) and peer_id in self.sender_peer_ids:
+                # It will send its parts to nobody: our own shard fails now, and hivemind's wait for
+                # missing senders (sender_timeout) ends once every other sender has started.
+                await self._ban_sender(peer_id)
+                if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+                    self.all_senders_started.set()
             raise
 
     async def _reduce_own_shard(self) -> None:

@@ -32,7 +32,7 @@ from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
@@ -150,6 +150,45 @@ class OuterGradientAverager(DecentralizedAverager):
             if isinstance(e, Exception):
                 logger.debug(f"all-reduce failed: {e!r}")
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's parts for an all-reduce; refused at once if we are in no such group.
+
+        hivemind waits, for a group id it does not know, until this averager registers its next
+        group: a follower may receive parts before its leader's "begin all-reduce" arrives. A peer
+        that was counted into a group it never joined (its join request timed out after the leader
+        had accepted it, see docs/design.md "Ghost groupmates") is not about to register that
+        group, and the sender waited ``2 · next_chunk_timeout`` for it while the learner sat at τ.
+        Here the part waits only while a group may still be forming for this averager; otherwise
+        it gets ``BAD_GROUP_ID`` and the sender drops the round within one poll.
+        """
+        request = await anext(stream)
+        if request.group_id not in self._running_groups and not await self._may_join(request.group_id):
+            logger.debug(f"refused parts from {context.remote_id}: not in that group")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _may_join(self, group_id: bytes, poll: float = 0.05) -> bool:
+        """Wait until ``group_id`` is registered (True) or no group is forming here (False).
+
+        "Forming": a join request or accept is under way, a leader accepted us and its answer is
+        due, or a group was assembled and is about to be registered. Two polls in a row without
+        any of these are needed, because between the matchmaker's return and the registration
+        there is one event-loop turn in which none shows.
+        """
+        mm, idle_polls = self._matchmaking, 0
+        while group_id not in self._running_groups:
+            forming = (mm.current_leader is not None or mm.lock_request_join_group.locked()
+                       or (mm.is_looking_for_group and mm.assembled_group.done()))
+            idle_polls = 0 if forming else idle_polls + 1
+            if idle_polls >= 2:
+                return False
+            await asyncio.sleep(poll)
+        return True
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id

@@ -1,12 +1,20 @@
 """The exact all-reduce with real hivemind peers in one process: identical bytes on every member."""
 
+import os
 import threading
+import time
 
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco.averaging import HivemindAveraging
+from p2p_diloco import averaging
+from p2p_diloco.averaging import HivemindAveraging, RoundFailed, group_bits
+from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.outer import weighted_mean
 
@@ -91,5 +99,77 @@ def test_fragment_download_carries_only_the_fragments_asked_for(group):
     finally:
         for a in (client, server):
             a.shutdown()
+        for d in dhts:
+            d.shutdown()
+
+
+class OuterGradientAverager(averaging.OuterGradientAverager):
+    """The production averager plus a way to run an all-reduce in a group made up on one side only.
+
+    Same class name, so it serves and calls the same RPC handles as the real one.
+    """
+
+    _rpc_handlers = None
+    _stub_type = None
+
+    async def _one_sided_round(self, other: str, future: MPFuture) -> None:
+        peers = (self.peer_id, PeerID.from_base58(other))
+        mine = self.serializer.dumps({"fragment": 0, "version": 3})
+        gathered = tuple(self.serializer.dumps([self.bandwidth, AveragingMode.NODE.value, mine]) for _ in peers)
+        group = GroupInfo(os.urandom(20), peers, gathered)
+        try:
+            with self._register_allreduce_group(group):
+                await self._aggregate_with_group(group, tensor_infos=None, weight=1.0, **self.allreduce_kwargs)
+            future.set_result("committed")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            future.set_result(repr(e))
+
+
+@pytest.mark.timeout(120)
+def test_a_groupmate_that_never_joined_the_group_fails_the_round_at_once():
+    """The asymmetric round: a leader counts in a peer whose join request had already timed out.
+
+    That peer goes on searching for a group. Its groupmates' parts must be refused at once, not held
+    until it registers a group (hivemind's wait), which kept the sender at τ for 2·next_chunk_timeout.
+    """
+    cfg = AveragingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0, request_timeout=1.0,
+                          round_timeout=30.0, next_chunk_timeout=60.0)
+    template = [torch.zeros(1000, 300)]
+    dhts = [hivemind.DHT(start=True)]
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    searcher = HivemindAveraging(dhts[1], template, cfg, prefix="ghost")
+    other = OuterGradientAverager(
+        [torch.zeros(1000, 300)], dhts[0], fragments=[(0,)], codecs=[get_codec("none")], start=True, prefix="ghost",
+        min_group_size=2, target_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,
+        next_chunk_timeout=60.0, allreduce_timeout=300.0,
+    )
+    outcome = {}
+
+    def search():  # alone at (fragment 0, version 3): no group forms within its 30 s
+        try:
+            searcher.average([torch.ones(1000, 300)], 1.0, {}, version=3)
+            outcome["searcher"] = "committed"
+        except RoundFailed as e:
+            outcome["searcher"] = str(e)
+
+    thread = threading.Thread(target=search)
+    try:
+        thread.start()
+        key = f"ghost.0b{group_bits(0, 3)}"
+        deadline = time.monotonic() + 20
+        while not (found := dhts[0].get(key, latest=True)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert found, "the searcher never declared itself in the DHT"
+        future = MPFuture()
+        other._outer_pipe.send(("_one_sided_round", [], dict(other=searcher.peer_id, future=future)))
+        result = future.result(timeout=60)  # 2·next_chunk_timeout = 120 s without the refusal
+        assert "is not in this group" in result, result
+        assert thread.is_alive(), "the round should fail while the other peer is still searching"
+        thread.join(60)
+        assert "could not find a group" in outcome["searcher"] or "no group" in outcome["searcher"], outcome
+    finally:
+        thread.join(60)
+        other.shutdown()
+        searcher.shutdown()
         for d in dhts:
             d.shutdown()

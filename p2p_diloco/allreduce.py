@@ -175,12 +175,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_failed_reducer(peer_index)
             if isinstance(e, NotInGroup):
                 self.not_in_group = str(e)
-            if isinstance(e, NotInGroup) and peer_id in self.sender_peer_ids:
-                # It will send its parts to nobody: our own shard fails now, and hivemind's wait for
-                # missing senders (sender_timeout) ends once every other sender has started.
-                await self._ban_sender(peer_id)
-                if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
-                    self.all_senders_started.set()
+                if peer_id in self.sender_peer_ids:
+                    # It will send its parts to nobody: our own shard fails now, and hivemind's wait for
+                    # missing senders (sender_timeout) ends once every other sender has started.
+                    await self._ban_sender(peer_id)
+                    if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+                        self.all_senders_started.set()
             raise
 
     async def _reduce_own_shard(self) -> None:

@@ -425,8 +425,7 @@ class HivemindAveraging:
         searches (value True until the group forms or the search expires). Entries are peers' input:
         anything malformed is skipped.
         """
-        key = f"{self.prefix}.0b{group_bits(fragment, version)}"
-        found = self.dht.get(key, latest=True)
+        found = self.dht.get(group_key(self.prefix, fragment, version), latest=True)
         if found is None or not isinstance(found.value, dict):
             return 0
         ours, now, count = self.dht.peer_id.to_bytes(), get_dht_time(), 0
@@ -520,3 +519,8 @@ def _agreed_fragment(gathered: dict, num_fragments: int) -> int:
 def group_bits(fragment: int, version: int) -> str:
     """Group-key bits naming (fragment, version): a 16-bit fragment field, then the version."""
     return format(fragment, "016b") + format(version, "b")
+
+
+def group_key(prefix: str, fragment: int, version: int) -> str:
+    """The DHT key under which hivemind's matchmaking declares searches at (fragment, version)."""
+    return f"{prefix}.0b{group_bits(fragment, version)}"

@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import averaging
-from p2p_diloco.averaging import HivemindAveraging, RoundFailed, group_bits
+from p2p_diloco.averaging import HivemindAveraging, RoundFailed, group_key
 from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.outer import weighted_mean
@@ -155,7 +155,7 @@ def test_a_groupmate_that_never_joined_the_group_fails_the_round_at_once():
     thread = threading.Thread(target=search)
     try:
         thread.start()
-        key = f"ghost.0b{group_bits(0, 3)}"
+        key = group_key("ghost", 0, 3)
         deadline = time.monotonic() + 20
         while not (found := dhts[0].get(key, latest=True)) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -151,7 +151,7 @@ class _Round:
 def run_hivemind(
     row: Row, shapes: list[tuple[int, ...]], seed: int, dhts: list, version_base: int, cfg: AveragingConfig
 ) -> None:
-    from p2p_diloco.averaging import HivemindAveraging
+    from p2p_diloco.hivemind_averaging import HivemindAveraging
 
     n = row.learners
     template = [torch.zeros(s) for s in shapes]

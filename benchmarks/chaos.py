@@ -32,17 +32,14 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from p2p_diloco.local_swarm import fragment_states
+from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
@@ -78,42 +75,6 @@ def sync_mode(m: int) -> list[str]:
             "--set", "averaging.round_timeout=300.0"]
 
 
-class Proc:
-    def __init__(self, name: str, args: list[str], log: Path):
-        self.name, self.log = name, log
-        self._f = log.open("ab")
-        self.popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco", *args], stdout=self._f,
-                                      stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-
-    def close(self) -> None:
-        self.kill()
-        self._f.close()
-
-
-def stop_all(procs: list[Proc], grace: float) -> None:
-    """SIGTERM every process at once (learners stop training at the same moment, then hand their
-    unmerged steps to each other in their parting rounds), SIGKILL what is left after ``grace``."""
-    for p in procs:
-        if p.alive():
-            p.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        p.close()
-
-
 def failure_schedule(seed: int, m: int, mtbf: float, duration: float) -> list[tuple[float, int]]:
     """(time, learner) pairs: when to kill which learner (if it is alive then)."""
     rng = random.Random(seed)
@@ -130,23 +91,16 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
         # Learners start with --resume and summaries are read back: an old run's files would leak in.
         raise SystemExit(f"error: {work} is not empty (an earlier run's checkpoints would be resumed)")
     work.mkdir(parents=True, exist_ok=True)
-    maddrs = work / "bootstrap.maddrs"
-    boot = Proc("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity",
-                              str(work / "boot.key"), "--maddrs-file", str(maddrs)], work / "bootstrap.log")
-    deadline = time.monotonic() + 90
-    while not (maddrs.exists() and maddrs.read_text().strip()):
-        if time.monotonic() > deadline:
-            raise RuntimeError("bootstrap node did not start")
-        time.sleep(0.2)
-    peers = maddrs.read_text().split()[0]
+    boot, peers = start_bootstrap(work)
     extra = [*(sync_mode(m) if mode.startswith("sync") else MODES[mode]), "--set", f"averaging.target_group_size={m}"]
 
     def start(i: int) -> Proc:
-        return Proc(f"learner-{i}", [
-            "learner", "--config", SMALL, "--initial-peers", peers, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        # Appended: a restart keeps its killed predecessor's lines, which the statistics below count.
+        return Proc(f"learner-{i}", cli(
+            "learner", "--config", SMALL, "--initial-peers", peers, "--host-maddrs", LOOPBACK_ANY_PORT,
             "--shard-index", str(i), "--num-shards", str(m), "--checkpoint-dir", str(work / f"ckpt-{i}"),
             "--resume", "--summary", str(work / f"summary-{i}.json"), *COMMON, *EVAL[i == 0], *extra,
-        ], work / f"learner-{i}.log")
+        ), work / f"learner-{i}.log", append=True)
 
     learners = [start(i) for i in range(m)]
     restarts: list[tuple[float, int]] = []
@@ -157,13 +111,13 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     try:
         while (now := time.monotonic() - t0) < duration:
             for i in set(range(m)) - set(startup):
-                if READY.search(learners[i].log.read_text(errors="replace")):
+                if READY.search(learners[i].text()):
                     startup[i] = now
             while pending and pending[0][0] <= now:
                 _, i = pending.pop(0)
                 startup.setdefault(i, now)
                 if learners[i].alive():
-                    learners[i].kill()
+                    learners[i].kill_group()
                     failures += 1
                     restarts.append((now + downtime, i))
             for when, i in list(restarts):
@@ -172,8 +126,8 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
                     learners[i] = start(i)
             time.sleep(0.2)
     finally:
-        stop_all(learners, grace=40)
-        stop_all([boot], grace=10)
+        stop_procs(learners, grace=40)
+        stop_procs([boot], grace=10)
     wall = time.monotonic() - t0
     summaries = []
     for i in range(m):

@@ -42,7 +42,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -61,6 +60,7 @@ from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
 
 from p2p_diloco.config import LearnerConfig, load_learner_config
 from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
+from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, processes_in_group, start_bootstrap, stop_procs
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -204,53 +204,6 @@ def run_dp(args: argparse.Namespace, work: Path) -> dict:
 # ------------------------------------------------------------------------------------- (b)-(d) real swarm
 
 
-class Proc:
-    """One CLI process in its own session / process group (its p2pd daemon and helpers included)."""
-
-    def __init__(self, name: str, cli_args: list[str], log: Path):
-        self.name, self.log_path = name, log
-        self._log = log.open("wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco", *cli_args], stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def kill_group(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
-
-
-def processes_in_groups(pgids: set[int]) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pgid=,pid=,stat=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 3) for line in out.splitlines()]
-    return [" ".join(r) for r in rows if len(r) >= 3 and int(r[0]) in pgids and not r[2].startswith("Z")]
-
-
-def _wait_for(cond, timeout: float, proc: Proc, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited (rc={proc.popen.returncode}) before {what}:\n{proc.text()[-3000:]}")
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 ROUND_RE = re.compile(r"outer round (committed|not committed \((?P<reason>.*?)\); local progress kept) \| "
                       r"version (?P<version>\d+) fragment (?P<frag>\d+)/\d+ group (?P<group>\d+) "
                       r"window (?P<window>[\d.]+)s allreduce (?P<allreduce>[\d.]+)s round (?P<round>[\d.]+)s")
@@ -296,21 +249,17 @@ def run_swarm(args: argparse.Namespace, work: Path, name: str, extra: list[str],
     codes: list[int | None] = []
     timed_out = False
     try:
-        maddrs = d / "bootstrap.maddrs"
-        boot = Proc("bootstrap", ["bootstrap", "--host-maddrs", f"/ip4/{LOOPBACK}/tcp/0",
-                                  "--identity", str(d / "boot.key"), "--maddrs-file", str(maddrs)], d / "bootstrap.log")
+        boot, addr = start_bootstrap(d)
         procs.append(boot)
-        _wait_for(lambda: maddrs.exists() and maddrs.read_text().strip(), 90, boot, "the bootstrap address")
-        addr = maddrs.read_text().split()[0]
         learners = []
         for i in range(m):
             own = [x for o in per_learner.get(i, []) for x in ("--set", o)]
-            learners.append(Proc(f"learner-{i}", [
+            learners.append(Proc(f"learner-{i}", cli(
                 "learner", "--config", args.config, "--initial-peers", addr,
-                "--host-maddrs", f"/ip4/{LOOPBACK}/tcp/0", "--shard-index", str(i), "--num-shards", str(m),
+                "--host-maddrs", LOOPBACK_ANY_PORT, "--shard-index", str(i), "--num-shards", str(m),
                 "--max-outer-steps", str(args.outer_steps), "--checkpoint-dir", str(d / f"ckpt-{i}"),
                 "--summary", str(d / f"summary-{i}.json"), *sets, *own,
-            ], d / f"learner-{i}.log"))
+            ), d / f"learner-{i}.log"))
         procs.extend(learners)
         deadline = time.monotonic() + args.variant_timeout
         for p in learners:
@@ -321,18 +270,9 @@ def run_swarm(args: argparse.Namespace, work: Path, name: str, extra: list[str],
                 codes.append(None)
         wall = time.perf_counter() - t0
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-        pgids = {p.popen.pid for p in procs}
-        for p in procs:
-            p.kill_group()
+        stop_procs(procs, grace=15)
         time.sleep(0.5)
-        leftovers = processes_in_groups(pgids)
+        leftovers = processes_in_group(*(p.pid for p in procs))
     summaries, logs = [], []
     for i in range(m):
         path = d / f"summary-{i}.json"

@@ -1,8 +1,9 @@
 """DiLoCo's arithmetic alone, without any networking: how far from per-step data parallel it lands.
 
-All workers live in one process and run one after another, so nothing here depends on hivemind,
-timing or group formation; what differs from data parallel is only the algorithm. Same model, data
-shards, seeds and inner hyperparameters as the learners (``peers/small-cpu.toml``), equal tokens:
+All workers live in one process and run one after another, so nothing here depends on hivemind
+(the test suite checks that it is never imported), timing or group formation; what differs from
+data parallel is only the algorithm. Same model, data shards, seeds and inner hyperparameters as
+the learners (``peers/small-cpu.toml``), equal tokens:
 
 - ``dp``: M workers' gradients averaged every step (one AdamW step on M batches);
 - ``single``: one worker, one batch per step (what a learner that never merges would do);
@@ -11,9 +12,11 @@ shards, seeds and inner hyperparameters as the learners (``peers/small-cpu.toml`
   from the new Θ (keeping its AdamW state), as in plain synchronous DiLoCo with no failures.
 - ``decoupled H lr mu policy`` (``--decoupled``): the learners' Decoupled DiLoCo arithmetic with
   ``sync.fragments`` = P, ``sync.overlap_steps`` = τ and ``averaging.compression`` from the config:
-  fragment f's round starts at the steps where ``s % H == f·H/P`` (:func:`~p2p_diloco.fragments.due_fragments`),
-  each outer gradient and their mean cross the codec once each (as input and result of the
-  all-reduce), and the new Θ_f reaches the workers τ steps later under ``policy`` (overwrite or mix).
+  fragment f's round starts at the steps where ``s % H == f·H/P`` (:func:`~p2p_diloco.fragments.due_fragments`,
+  the learners' own schedule), each outer gradient and their mean cross the codec once each (as input
+  and result of the all-reduce, :func:`~p2p_diloco.quantization.round_trip`), and the new Θ_f reaches
+  the workers τ steps later under ``policy`` through :func:`~p2p_diloco.outer.apply_result`, the
+  function the learners apply every round's result with.
 
     .venv/bin/python benchmarks/diloco_math.py --steps 600 --json benchmarks/results/diloco_math.json
 """
@@ -32,15 +35,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hivemind.compression import CompressionInfo  # noqa: E402
-
-from p2p_diloco.codecs import decode, get_codec  # noqa: E402
 from p2p_diloco.config import ConfigError, load_learner_config  # noqa: E402
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
 from p2p_diloco.fragments import build_fragments, due_fragments  # noqa: E402
 from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
 from p2p_diloco.model import build_model  # noqa: E402
-from p2p_diloco.outer import GlobalState, OuterOptimizer, load_into_module, pseudo_gradient, weighted_mean  # noqa: E402
+from p2p_diloco.outer import (  # noqa: E402
+    GlobalState,
+    OuterOptimizer,
+    apply_result,
+    load_into_module,
+    pseudo_gradient,
+    weighted_mean,
+)
+from p2p_diloco.quantization import round_trip  # noqa: E402
 
 
 def dp_overrides(overrides: list[str]) -> list[str]:
@@ -119,7 +127,7 @@ def run(variant: tuple, m: int, steps: int, every: int, config: str, overrides: 
 
 
 def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, policy) -> list:
-    h, tau, codec = cfg.inner.steps_per_outer, cfg.sync.overlap_steps, get_codec(cfg.averaging.compression)
+    h, tau, codec = cfg.inner.steps_per_outer, cfg.sync.overlap_steps, cfg.averaging.compression
     frags = build_fragments([(n, p.shape) for n, p in base.named_parameters()], cfg.sync.fragments, h)
     whole = [p.detach().clone() for p in base.parameters()]
     states = [GlobalState(params=[whole[i].clone() for i in f.tensor_indices],
@@ -129,8 +137,8 @@ def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, polic
     opts = [adamw(w) for w in workers]
     pending: list[tuple[int, int, list]] = []  # (step to apply at, fragment, each worker's snapshot)
 
-    def wire(ts):  # one crossing of the codec, the all-reduce's own round trip (allreduce.py, part_as_sent)
-        return [decode(codec.compress(t, CompressionInfo.from_tensor(t))) for t in ts]
+    def wire(ts):  # one crossing of the codec: the arithmetic of the all-reduce's own round trip
+        return [round_trip(codec, t) for t in ts]
 
     def local(w, f):
         params = list(w.parameters())
@@ -149,10 +157,8 @@ def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, polic
         for due in [x for x in pending if x[0] == s]:
             pending.remove(due)
             _, f, snaps = due
-            with torch.no_grad():
-                for w, snap in zip(workers, snaps, strict=True):
-                    for p, g, sn in zip(local(w, f), states[f].params, snap, strict=True):
-                        p.copy_(g + (p - sn) if policy == "mix" else g)
+            for w, snap in zip(workers, snaps, strict=True):  # the learner's own door for a round's result
+                apply_result(local(w, f), states[f].params, snap, policy)
         if s % every == 0:
             for frag, st in zip(frags, states, strict=True):
                 for i, g in zip(frag.tensor_indices, st.params, strict=True):

@@ -14,11 +14,15 @@ import logging
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from p2p_diloco.config import ConfigError, read_toml
+from p2p_diloco.config import config_error, read_toml
+
+if TYPE_CHECKING:  # lifecycle imports hivemind: loaded only when a node starts
+    from p2p_diloco.lifecycle import LinkedDHT
 
 logger = logging.getLogger("p2p_diloco.bootstrap")
 
@@ -35,14 +39,14 @@ class BootstrapConfig(BaseModel):
     startup_timeout: float = Field(60.0, gt=0.0)
 
 
-def load_bootstrap_config(path: str | None, overrides: dict) -> BootstrapConfig:
+def load_bootstrap_config(path: str | None, overrides: dict[str, Any]) -> BootstrapConfig:
+    """Read ``path`` (TOML; None: defaults), apply the CLI's non-None ``overrides``, validate (ConfigError)."""
     data = read_toml(path) if path else {}
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return BootstrapConfig.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise config_error(e) from None
 
 
 @dataclass
@@ -50,7 +54,7 @@ class BootstrapNode:
     cfg: BootstrapConfig
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def serve(self, dht) -> None:
+    async def serve(self, dht: LinkedDHT) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
@@ -76,33 +80,26 @@ class BootstrapNode:
             await loop.run_in_executor(None, dht.shutdown)
 
 
-async def _count_peers(_dht, node) -> int:
+async def _count_peers(_dht: Any, node: Any) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-def _routing_table_size(dht) -> int:
+def _routing_table_size(dht: LinkedDHT) -> int:
     return dht.run_coroutine(_count_peers)
 
 
-def start_bootstrap_dht(cfg: BootstrapConfig):
-    # Created on the main thread: the DHT's child process dies with the thread that forked it.
-    from p2p_diloco.learner import LearnerError
-    from p2p_diloco.lifecycle import LinkedDHT
+def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
+    """Start the node's DHT (on the main thread) with its identity file; LearnerError if it cannot."""
+    from p2p_diloco.lifecycle import start_dht
 
     Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return LinkedDHT(
-            initial_peers=cfg.initial_peers or None,
-            host_maddrs=cfg.host_maddrs,
-            announce_maddrs=cfg.announce_maddrs or None,
-            identity_path=cfg.identity_path,
-            startup_timeout=cfg.startup_timeout,
-            start=True,
-        )
-    except Exception as e:  # noqa: BLE001
-        raise LearnerError(f"could not start the bootstrap DHT node ({type(e).__name__}: {e})") from None
+    return start_dht(
+        initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
+        identity_path=cfg.identity_path, startup_timeout=cfg.startup_timeout, what="bootstrap DHT node",
+    )
 
 
 def run_bootstrap(cfg: BootstrapConfig) -> None:
+    """Run a bootstrap node until SIGINT or SIGTERM."""
     dht = start_bootstrap_dht(cfg)
     uvloop.run(BootstrapNode(cfg).serve(dht))

@@ -27,13 +27,15 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.errors import UserError
+
 logger = logging.getLogger("p2p_diloco.checkpoint")
 
 LATEST = "latest.pt"
 FORMAT = 2  # bumped when the payload layout changes
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

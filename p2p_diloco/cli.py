@@ -1,6 +1,8 @@
 """``p2p-diloco``: bootstrap | learner | swarm | regions.
 
 Errors a user can cause are printed as one line (``error: ...``) with exit code 2; no traceback.
+Each subcommand imports what it needs when it runs: ``--help``, config errors and
+``regions --emit-compose`` load neither torch nor hivemind.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.errors import UserError
 
 EXIT_USAGE = 2
 
@@ -79,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _learner_overrides(args: argparse.Namespace) -> list[str]:
     """CLI flags become dotted overrides applied after the config file, in one place."""
-    def q(v) -> str:
+    def q(v: object) -> str:
         import json
         return json.dumps(v)
 
@@ -105,12 +110,13 @@ def _configure_logging(level: str) -> None:
 def _run_learner(args: argparse.Namespace) -> int:
     cfg = load_learner_config(args.config, _learner_overrides(args))
     from p2p_diloco.faults import FaultPlan, FaultPlanError
-    from p2p_diloco.learner import Learner, write_summary
 
     try:
         faults = FaultPlan.parse(args.fault)
     except FaultPlanError as e:
         raise ConfigError(str(e)) from None
+    from p2p_diloco.learner import Learner, write_summary  # torch and hivemind: only once the input is good
+
     if faults:
         # Faults act on the learner's process group (hang) and reach its forked children through this.
         os.environ["P2P_DILOCO_LEARNER_PID"] = str(os.getpid())
@@ -133,7 +139,7 @@ def _run_learner(args: argparse.Namespace) -> int:
     return 0
 
 
-def stop_handler(stop: threading.Event, leave_now: threading.Event):
+def stop_handler(stop: threading.Event, leave_now: threading.Event) -> Callable[[int, FrameType | None], None]:
     """The learner's SIGINT / SIGTERM handler: the first signal sets ``stop``, a second ``leave_now``.
 
     The events are set from a short-lived thread, not from the handler itself. A Python signal
@@ -142,9 +148,9 @@ def stop_handler(stop: threading.Event, leave_now: threading.Event):
     for that lock forever. The thread waits for it instead, until the main thread lets go.
     """
 
-    caught = []
+    caught: list[str] = []
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         name, log = signal.Signals(signum).name, logging.getLogger("p2p_diloco")
         caught.append(name)
         if len(caught) > 1:
@@ -187,20 +193,14 @@ def _run_regions(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``p2p-diloco`` command line; returns the exit code."""
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level)
-    from p2p_diloco.checkpoint import CheckpointError
-    from p2p_diloco.data import DataError
-
-    user_errors: tuple[type[BaseException], ...] = (ConfigError, DataError, CheckpointError)
+    handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm,
+               "regions": _run_regions}[args.command]
     try:
-        from p2p_diloco.learner import LearnerError
-
-        user_errors += (LearnerError,)
-        handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm,
-                   "regions": _run_regions}[args.command]
         return handler(args)
-    except user_errors as e:
+    except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -14,15 +14,18 @@ Example::
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from p2p_diloco.errors import UserError
+
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user-caused configuration problem; the message is a single line meant for the terminal."""
 
 
@@ -231,12 +234,17 @@ class LearnerConfig(_Section):
             self.averaging.compression
 
 
-def _first_error(exc: ValidationError) -> str:
+def config_error(exc: ValidationError, root: str = "config") -> ConfigError:
+    """The one-line :class:`ConfigError` for a pydantic validation error: its first problem, by field.
+
+    ``root`` names the whole document when the problem is not tied to one field. Use it as
+    ``raise config_error(e) from None`` so that the terminal shows no pydantic traceback.
+    """
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "config"
+    where = ".".join(str(p) for p in err["loc"]) or root
     msg = err["msg"].removeprefix("Value error, ")
     extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {msg}{extra}"
+    return ConfigError(f"{where}: {msg}{extra}")
 
 
 def _parse_scalar(text: str) -> Any:
@@ -281,10 +289,10 @@ def validate_learner_config(data: dict[str, Any]) -> LearnerConfig:
     try:
         return LearnerConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_first_error(e)) from None
+        raise config_error(e) from None
 
 
-def load_learner_config(path: str | Path | None, overrides: list[str] = ()) -> LearnerConfig:
+def load_learner_config(path: str | Path | None, overrides: Sequence[str] = ()) -> LearnerConfig:
     """Read ``path`` (TOML; None means all defaults), apply ``overrides`` in order, validate."""
     data = read_toml(path) if path is not None else {}
     for override in overrides:

@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import DataConfig
+from p2p_diloco.errors import UserError
 
 _BUCKETS = 10_000
 _PIECE_BYTES = 64 * 1024
 _TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".toml", ".json", ".csv", ".html", ".c", ".h", ".cfg", ""}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The data source is missing, empty or unreadable; the message is one line."""
 
 

@@ -14,8 +14,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 import hivemind
+
+from p2p_diloco.errors import LearnerError
 
 _PR_SET_PDEATHSIG = 1
 _ALIVE_CHECK_SECONDS = 1.0
@@ -84,3 +88,34 @@ class LinkedDHT(hivemind.DHT):
 
     def run_coroutine(self, *args, **kwargs):
         return self._serialized(super().run_coroutine, args, kwargs)
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    identity_path: str | Path | None,
+    startup_timeout: float,
+    wait: bool = True,
+    what: str = "DHT",
+) -> LinkedDHT:
+    """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
+
+    Call it on the main thread: the DHT's process dies with the thread that forked it. With
+    ``wait=False`` it returns at once and ``dht.wait_until_ready()`` waits for the start. Any failure
+    (a malformed multiaddr, a port in use, p2pd not starting in ``startup_timeout`` seconds) becomes
+    one :class:`LearnerError` line naming ``what`` was being started.
+    """
+    try:
+        return LinkedDHT(
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) or None,
+            identity_path=str(identity_path) if identity_path else None,
+            startup_timeout=startup_timeout,
+            start=True,
+            await_ready=wait,
+        )
+    except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
+        raise LearnerError(f"could not start or join the {what} ({type(e).__name__}: {e})") from None

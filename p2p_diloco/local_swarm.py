@@ -14,16 +14,24 @@ rounds" (see ``run.drain_seconds``). If the supervisor dies, its children get SI
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
-import os
 import signal
-import sys
-import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import uvloop
+
+from p2p_diloco.processes import (
+    LOOPBACK_ANY_PORT,
+    MADDRS_FILE,
+    bootstrap_args,
+    cli,
+    spawn_pumped,
+    stop_all,
+    wait_for_bootstrap,
+)
 
 
 @dataclass
@@ -36,67 +44,10 @@ class SwarmOptions:
     startup_timeout: float = 120.0
 
 
-_PR_SET_PDEATHSIG = 1
-STOP_GRACE = 45.0  # seconds: a learner's parting rounds take up to run.drain_seconds (20 s by default)
-
-
-def sigterm_when_parent_dies() -> None:
-    """``preexec_fn``: the child gets SIGTERM when its supervisor dies (it still leaves cleanly).
-
-    Runs between fork and exec; ``ip netns exec`` execs its command without forking, so the flag
-    reaches the p2p-diloco process there too. (``lifecycle.die_with_parent`` is the learner's own
-    variant for hivemind's forked helpers: SIGKILL, and it imports hivemind, which this supervisor
-    does not need.)"""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def _cli() -> list[str]:
-    return [sys.executable, "-m", "p2p_diloco"]
-
-
-async def _pump(name: str, stream: asyncio.StreamReader) -> None:
-    while line := await stream.readline():
-        sys.stdout.write(f"{name:>10} | {line.decode(errors='replace')}")
-        sys.stdout.flush()
-
-
-async def _spawn(name: str, args: list[str]) -> tuple[asyncio.subprocess.Process, asyncio.Task]:
-    proc = await asyncio.create_subprocess_exec(
-        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True, preexec_fn=sigterm_when_parent_dies,
-    )
-    return proc, asyncio.create_task(_pump(name, proc.stdout))
-
-
-async def _wait_for_file(path: Path, proc: asyncio.subprocess.Process, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()[0]
-        if proc.returncode is not None:
-            raise RuntimeError(f"bootstrap node exited with code {proc.returncode}")
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"bootstrap node did not publish its address within {timeout:.0f}s")
-
-
-async def stop_all(procs: list[asyncio.subprocess.Process], grace: float = STOP_GRACE) -> None:
-    """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL the rest."""
-    for p in procs:
-        if p.returncode is None:
-            p.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
-    except TimeoutError:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-        await asyncio.gather(*(p.wait() for p in procs))
-
-
 async def run_swarm(opts: SwarmOptions) -> int:
     work = opts.workdir
     work.mkdir(parents=True, exist_ok=True)
-    maddrs_file = work / "bootstrap.maddrs"
+    maddrs_file = work / MADDRS_FILE
     maddrs_file.unlink(missing_ok=True)
     for stale in work.glob("summary-*.json"):  # a previous run's results must not pass for this one's
         stale.unlink()
@@ -105,29 +56,27 @@ async def run_swarm(opts: SwarmOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    boot, boot_pump = await _spawn("bootstrap", [
-        *_cli(), "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-        "--identity", str(work / "bootstrap.key"), "--maddrs-file", str(maddrs_file),
-    ])
+    boot, boot_pump = await spawn_pumped("bootstrap", cli(*bootstrap_args(work)))
     procs, pumps = [boot], [boot_pump]
     try:
-        bootstrap_addr = await _wait_for_file(maddrs_file, boot, opts.startup_timeout)
+        bootstrap_addr = await wait_for_bootstrap(maddrs_file, boot, opts.startup_timeout)
         learners = []
         for i in range(opts.learners):
-            args = [
-                *_cli(), "learner", "--config", opts.config, "--initial-peers", bootstrap_addr,
-                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard-index", str(i),
+            args = cli(
+                "learner", "--config", opts.config, "--initial-peers", bootstrap_addr,
+                "--host-maddrs", LOOPBACK_ANY_PORT, "--shard-index", str(i),
                 "--num-shards", str(max(opts.learners, 1)), "--max-outer-steps", str(opts.max_outer_steps),
                 "--checkpoint-dir", str(work / f"learner-{i}"), "--summary", str(work / f"summary-{i}.json"),
                 *opts.extra,
-            ]
-            proc, pump = await _spawn(f"learner-{i}", args)
+            )
+            proc, pump = await spawn_pumped(f"learner-{i}", args)
             learners.append(proc)
             procs.append(proc)
             pumps.append(pump)
         waiter = asyncio.ensure_future(asyncio.gather(*(p.wait() for p in learners)))
         stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        # A list of futures of different result types: typeshed's wait() wants one type.
+        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         stopper.cancel()
         if stop.is_set():
             print("swarm: stopping all processes", flush=True)
@@ -137,13 +86,15 @@ async def run_swarm(opts: SwarmOptions) -> int:
 
     return _report(work, opts.learners, [p.returncode for p in procs[1:]])
 
+Name = TypeVar("Name")
 
-def read_summaries(paths: dict[object, Path]) -> list[tuple[object, dict]]:
+
+def read_summaries(paths: Mapping[Name, Path]) -> list[tuple[Name, dict]]:
     """(name, summary) for every learner that wrote its JSON summary."""
     return [(name, json.loads(path.read_text())) for name, path in paths.items() if path.exists()]
 
 
-def print_summary_table(title: str, rows: list[tuple[object, dict]]) -> None:
+def print_summary_table(title: str, rows: Sequence[tuple[object, dict]]) -> None:
     """One line per learner."""
     print(f"\n{title}")
     print(f"{'learner':>8} {'version':>8} {'rounds':>7} {'tokens':>10} {'eval first':>11} {'eval last':>10}  sha256")

@@ -35,7 +35,7 @@ def token_weight(tokens: int, steps: int, missed_versions: int = 0, rule: str = 
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> float:
-    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+    return float(torch.sqrt(sum(((t.double() ** 2).sum() for t in tensors), torch.zeros((), dtype=torch.float64))))
 
 
 def to_unit(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:

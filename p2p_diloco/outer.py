@@ -15,8 +15,9 @@ for the global state across the swarm.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -24,6 +25,14 @@ from p2p_diloco.config import OuterConfig
 
 HISTORY_LENGTH = 512
 CONTRIBUTOR_VERSIONS = 32  # versions whose contributors a state remembers (see GlobalState.contributors)
+MAX_VERSION = 2**40  # a version or token count beyond these is a peer's lie, not progress
+MAX_TOKENS = 2**62  # below msgpack's 64-bit limit with room to add a round's tokens
+
+ApplyPolicy = Literal["overwrite", "mix"]
+
+
+class StateFormatError(ValueError):
+    """A serialised global state (from a peer or a checkpoint) is malformed."""
 
 
 @dataclass
@@ -44,7 +53,7 @@ class GlobalState:
     # "Exactly-once contributions"). Not part of the hash.
     contributors: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
 
-    def record_contributors(self, version: int, peers) -> None:
+    def record_contributors(self, version: int, peers: Iterable[str]) -> None:
         entries = {v: tuple(p) for v, p in self.contributors}
         entries[int(version)] = tuple(sorted(set(peers)))
         self.contributors = sorted(entries.items())[-CONTRIBUTOR_VERSIONS:]
@@ -76,6 +85,51 @@ class GlobalState:
 
     def sha256(self) -> str:
         return state_sha256(self.tensors(), self.version, self.momentum_initialized, self.tokens)
+
+    def to_dict(self, tensors: bool = True) -> dict[str, Any]:
+        """The one serialised form, for checkpoints (with tensors) and for the metadata served to peers
+        (without: the tensors travel separately, see :mod:`p2p_diloco.served`)."""
+        out: dict[str, Any] = {
+            "version": self.version, "momentum_initialized": self.momentum_initialized, "tokens": self.tokens,
+            "history": [list(h) for h in self.history],
+            "contributors": [[v, list(peers)] for v, peers in self.contributors],
+        }
+        if tensors:
+            out["params"], out["momentum"] = self.params, self.momentum
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GlobalState:
+        """Inverse of :meth:`to_dict` (with tensors). Input may be hostile: every field is checked and
+        anything malformed raises :class:`StateFormatError` naming the field."""
+        if not isinstance(data, dict):
+            raise StateFormatError("state is not a map")
+        version, init, tokens = data.get("version"), data.get("momentum_initialized"), data.get("tokens")
+        if not (isinstance(version, int) and 0 <= version < MAX_VERSION):
+            raise StateFormatError(f"bad version {version!r}")
+        if not isinstance(init, bool):
+            raise StateFormatError("bad momentum_initialized")
+        if not (isinstance(tokens, int) and 0 <= tokens < MAX_TOKENS):
+            raise StateFormatError(f"bad tokens {tokens!r}")
+        history = data.get("history", [])
+        if not (isinstance(history, list | tuple) and len(history) <= 2 * HISTORY_LENGTH and all(
+            isinstance(h, list | tuple) and len(h) == 2 and isinstance(h[0], int) and isinstance(h[1], str)
+            for h in history
+        )):
+            raise StateFormatError("malformed history")
+        contributors = data.get("contributors", [])
+        if not (isinstance(contributors, list | tuple) and len(contributors) <= 4 * CONTRIBUTOR_VERSIONS and all(
+            isinstance(e, list | tuple) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], list | tuple)
+            and all(isinstance(peer, str) for peer in e[1]) for e in contributors
+        )):
+            raise StateFormatError("malformed contributors")
+        params, momentum = data.get("params"), data.get("momentum")
+        if not (isinstance(params, list) and isinstance(momentum, list) and len(params) == len(momentum)
+                and all(isinstance(t, torch.Tensor) for t in [*params, *momentum])):
+            raise StateFormatError("params and momentum must be two lists of tensors of one length")
+        return cls(params=params, momentum=momentum, version=version, momentum_initialized=init, tokens=tokens,
+                   history=[(int(v), str(h)) for v, h in history],
+                   contributors=[(int(v), tuple(map(str, peers))) for v, peers in contributors])
 
     def copy(self) -> GlobalState:
         return GlobalState(
@@ -152,16 +206,34 @@ class OuterOptimizer:
         state.remember()
 
 
-def rebase(local_params: Sequence[torch.Tensor], old_global: Sequence[torch.Tensor], new_global) -> None:
-    """Move local progress onto a newer Θ: θ ← Θ_new − (Θ_old − θ), in place.
+def apply_result(
+    local_params: Sequence[torch.Tensor], new_global: Sequence[torch.Tensor], base: Sequence[torch.Tensor],
+    policy: ApplyPolicy,
+) -> None:
+    """Take a new Θ_f into the local parameters θ_f, in place; the one formula for every door a result
+    comes in by (a round applied on time, a round applied late, a download).
+
+    - ``overwrite``: θ ← Θ_new. Local progress made since ``base`` is dropped.
+    - ``mix``: θ ← Θ_new + (θ − base). What was trained since ``base`` is kept on top of Θ_new. With
+      ``base`` = the Θ the local progress started from, this is a rebase: the inner steps stay an
+      outer gradient relative to the new global parameters and count in the next round.
+    """
+    with torch.no_grad():
+        for p, new, old in zip(local_params, new_global, base, strict=True):
+            if policy == "mix":
+                p.copy_((new + (p.detach().to("cpu", torch.float32) - old)).to(p.dtype))
+            else:
+                p.copy_(new.to(p.dtype))
+
+
+def rebase(local_params: Sequence[torch.Tensor], old_global: Sequence[torch.Tensor],
+           new_global: Sequence[torch.Tensor]) -> None:
+    """Move local progress onto a newer Θ: θ ← Θ_new + (θ − Θ_old), in place (``mix`` of :func:`apply_result`).
 
     Used when a learner finds the swarm ahead of it: the inner steps it took are kept as an outer
     gradient relative to the new global parameters and are contributed in its next round.
     """
-    with torch.no_grad():
-        for p, old, new in zip(local_params, old_global, new_global, strict=True):
-            delta = old - p.detach().to("cpu", torch.float32)
-            p.copy_((new - delta).to(p.dtype))
+    apply_result(local_params, new_global, old_global, "mix")
 
 
 def load_into_module(module: torch.nn.Module, params: Sequence[torch.Tensor]) -> None:
@@ -190,7 +262,7 @@ def merge_lineages(a: GlobalState, b: GlobalState) -> GlobalState:
         version=max(first.version, second.version) + 1,
         momentum_initialized=first.momentum_initialized or second.momentum_initialized,
         tokens=max(first.tokens, second.tokens),
-        history=sorted({tuple(h) for h in [*first.history, *second.history]}),
+        history=sorted({(v, h) for v, h in [*first.history, *second.history]}),
     )
     for v, peers in [*first.contributors, *second.contributors]:
         # Both lineages may have a version v; a learner in either one's round contributed to the merge.

@@ -85,6 +85,7 @@ class ProgressRecord:
         shas = obj.get("shas", [])
         if not (isinstance(shas, list) and len(shas) == len(versions) and all(_is_sha(h) for h in shas)):
             raise RecordError("bad shas")
+        assert isinstance(sha, str)  # checked by _is_sha above
         return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall),
                    versions=tuple(versions), shas=tuple(shas))
 

@@ -13,6 +13,7 @@ never an exception from the network.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
 from p2p_diloco.merging import rda_combine, to_unit
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
 
+logger = logging.getLogger(__name__)
 
 class Stage(enum.Enum):
     PREPARED = "prepared"
@@ -82,13 +84,20 @@ class OuterRound:
             "sha256": self.state.sha256(),
             "tokens": int(self.tokens),
             "steps": int(self.inner_steps),
-            "weight": float(self.weight),
+            "weight": float(self.weight or 0.0),
             "norm": float(self._norm),
         }
 
     def run(self) -> RoundOutcome:
+        """Run the round to an outcome. Never raises: an unexpected error is latched into a failed
+        outcome (one WARNING line, the traceback at DEBUG), so the training loop never unwinds."""
         started = time.perf_counter()
-        outcome = self._run()
+        try:
+            outcome = self._run()
+        except Exception as e:  # noqa: BLE001 - contained in the round, by design
+            logger.warning(f"round of fragment {self.fragment} failed unexpectedly: {type(e).__name__}: {e}")
+            logger.debug("the round's traceback", exc_info=True)
+            outcome = self._fail(f"unexpected {type(e).__name__}: {e}")
         outcome.round_seconds = time.perf_counter() - started
         outcome.version = self.state.version
         return outcome

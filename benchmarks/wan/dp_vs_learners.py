@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 from run import two_region_topology  # noqa: E402  (benchmarks/wan/run.py, beside this script)
 
 from p2p_diloco.local_swarm import lineage_verdict  # noqa: E402
+from p2p_diloco.processes import Proc, child_env, cli  # noqa: E402
 from p2p_diloco.regions import netns  # noqa: E402
 from p2p_diloco.regions.netns import Fabric, Host  # noqa: E402
 from p2p_diloco.regions.topology import Topology, rate_bits_per_second  # noqa: E402
@@ -114,7 +115,7 @@ def run_dp(hosts: list[Host] | None, max_steps: int, target: float | None, eval_
     out.mkdir(parents=True, exist_ok=True)
     world = len(hosts) if hosts else 4
     master = f"{hosts[0].addr}:29500" if hosts else "127.0.0.1:29500"
-    procs = []
+    procs: list[Proc] = []
     for r in range(world):
         cmd = [sys.executable, str(ROOT / "benchmarks" / "wan" / "dp_worker.py"), "--rank", str(r), "--world",
                str(world), "--master", master, "--iface", "eth0" if hosts else "lo", "--config", str(CONFIG),
@@ -124,9 +125,7 @@ def run_dp(hosts: list[Host] | None, max_steps: int, target: float | None, eval_
             cmd += ["--target-loss", str(target)]
         if hosts:
             cmd = ["ip", "netns", "exec", hosts[r].ns, *cmd]
-        log = (out / f"rank-{r}.log").open("wb")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        procs.append(Proc(f"rank-{r}", cmd, out / f"rank-{r}.log"))
     deadline = time.monotonic() + timeout
     codes = []
     for p in procs:
@@ -135,9 +134,7 @@ def run_dp(hosts: list[Host] | None, max_steps: int, target: float | None, eval_
         except subprocess.TimeoutExpired:
             codes.append(None)
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
+        p.kill_group()
     if any(c != 0 for c in codes):
         raise RuntimeError(f"data-parallel run {name} failed: exit codes {codes}; see {out}")
     return dp_result(out)
@@ -184,13 +181,13 @@ def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: 
     d = work / f"learners-{rate}"
     d.mkdir(parents=True, exist_ok=True)
     topo_path, _ = topology(rate, max_outer, d)
-    cmd = [sys.executable, "-m", "p2p_diloco", "regions", "--topology", str(topo_path), "--workdir", str(d / "run"),
-           *[x for o in [*MODEL, *LEARNERS, f"sync.period_seconds={period_seconds(rate)}",
-                         f"run.stop_at_eval_loss={target}"] for x in ("--set", o)]]
+    cmd = cli("regions", "--topology", str(topo_path), "--workdir", str(d / "run"),
+              *[x for o in [*MODEL, *LEARNERS, f"sync.period_seconds={period_seconds(rate)}",
+                            f"run.stop_at_eval_loss={target}"] for x in ("--set", o)])
     t0 = time.monotonic()
     with (d / "regions.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # Not a Proc: in this session, a Ctrl+C reaches the supervisor too, which then removes its namespaces.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

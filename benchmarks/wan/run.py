@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from p2p_diloco.processes import cli
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "wan_bench.json"
 
@@ -73,8 +75,8 @@ def run_one(rate: str, codec: str, steps: int) -> dict:
         topo = Path(tmp) / "topology.toml"
         topo.write_text(two_region_topology(rate, steps))
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "p2p_diloco", "regions", "--topology", str(topo),
-                            "--workdir", str(Path(tmp) / "work"), *FAST, "--set", f"averaging.compression={codec}"],
+        r = subprocess.run(cli("regions", "--topology", str(topo), "--workdir", str(Path(tmp) / "work"), *FAST,
+                               "--set", f"averaging.compression={codec}"),
                            cwd=ROOT, capture_output=True, text=True, timeout=900)
         wall = time.monotonic() - t0
         summary = json.loads((Path(tmp) / "work" / "regions-summary.json").read_text())

@@ -19,20 +19,22 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.local_swarm import (
+from p2p_diloco.local_swarm import lineage_verdict, print_summary_table, read_summaries
+from p2p_diloco.processes import (
+    MADDRS_FILE,
     STOP_GRACE,
-    lineage_verdict,
-    print_summary_table,
-    read_summaries,
-    sigterm_when_parent_dies,
+    StopRequested,
+    bootstrap_args,
+    cli,
+    spawn_pumped,
     stop_all,
+    wait_for_bootstrap,
 )
 from p2p_diloco.regions import netns
 from p2p_diloco.regions.netns import Fabric, Host
@@ -51,13 +53,7 @@ class RegionsOptions:
 
 
 def _in_ns(host: Host, args: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", host.ns, sys.executable, "-m", "p2p_diloco", *args]
-
-
-async def _pump(name: str, stream: asyncio.StreamReader) -> None:
-    while line := await stream.readline():
-        sys.stdout.write(f"{name:>10} | {line.decode(errors='replace')}")
-        sys.stdout.flush()
+    return ["ip", "netns", "exec", host.ns, *cli(*args)]
 
 
 class Supervisor:
@@ -68,14 +64,9 @@ class Supervisor:
         self.pumps: list[asyncio.Task] = []
 
     async def spawn(self, host: Host, args: list[str]) -> asyncio.subprocess.Process:
-        proc = await asyncio.create_subprocess_exec(
-            *_in_ns(host, args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            # Own session: Ctrl+C reaches only the supervisor, which then stops everyone in order.
-            start_new_session=True, preexec_fn=sigterm_when_parent_dies,
-        )
+        proc, pump = await spawn_pumped(host.name, _in_ns(host, args))
         self.procs[host.name] = proc
-        self.pumps.append(asyncio.create_task(_pump(host.name, proc.stdout)))
+        self.pumps.append(pump)
         return proc
 
     async def stop_all(self, grace: float) -> None:
@@ -85,23 +76,6 @@ class Supervisor:
 
 class RegionsError(ConfigError):
     """The bootstrap node could not start; printed as one line by the CLI (exit code 2)."""
-
-
-class _Stopped(Exception):
-    """Ctrl+C or SIGTERM arrived while the run was still starting."""
-
-
-async def _wait_for_maddr(path: Path, proc: asyncio.subprocess.Process, timeout: float, stop: asyncio.Event) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not stop.is_set():
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()[0]
-        if proc.returncode is not None:
-            raise RegionsError(f"the bootstrap node exited with code {proc.returncode} (its output is above)")
-        await asyncio.sleep(0.2)
-    if stop.is_set():
-        raise _Stopped
-    raise RegionsError(f"the bootstrap node did not publish its address within {timeout:.0f}s")
 
 
 def _describe(topo: Topology, netem: bool) -> list[str]:
@@ -132,7 +106,7 @@ async def run_regions(opts: RegionsOptions) -> int:
     topo, work = opts.topology, opts.workdir.resolve()
     opts.workdir = work
     work.mkdir(parents=True, exist_ok=True)
-    for old in [*work.glob("summary-*.json"), work / "regions-summary.json", work / "bootstrap.maddrs"]:
+    for old in [*work.glob("summary-*.json"), work / "regions-summary.json", work / MADDRS_FILE]:
         old.unlink(missing_ok=True)
 
     stop = asyncio.Event()
@@ -163,23 +137,21 @@ async def run_regions(opts: RegionsOptions) -> int:
         print(f"regions: {len(hosts)} hosts in namespaces {prefix}*; inter-region traffic via "
               f"{len(topo.regions)} shaped WAN links", flush=True)
         boot_host, learner_hosts = hosts[0], hosts[1:]
-        maddrs_file = work / "bootstrap.maddrs"
         boot_maddr = f"/ip4/{boot_host.addr}/tcp/{topo.bootstrap_port}"
-        boot = await sup.spawn(boot_host, [
-            "bootstrap", "--host-maddrs", boot_maddr, "--announce-maddrs", boot_maddr,
-            "--identity", str(work / "bootstrap.key"), "--maddrs-file", str(maddrs_file),
-        ])
-        bootstrap_addr = await _wait_for_maddr(maddrs_file, boot, opts.startup_timeout, stop)
+        boot = await sup.spawn(boot_host, bootstrap_args(work, boot_maddr, announce=True))
+        bootstrap_addr = await wait_for_bootstrap(work / MADDRS_FILE, boot, opts.startup_timeout, stop,
+                                                  error=RegionsError)
         for host in learner_hosts:
             slot = int(host.name.rsplit("-", 1)[1])
             learners[host.name] = await sup.spawn(host, _learner_args(opts, host, slot, bootstrap_addr))
         waiter = asyncio.ensure_future(asyncio.gather(*(p.wait() for p in learners.values())))
         stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        # A list of futures of different result types: typeshed's wait() wants one type.
+        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         stopper.cancel()
         if stop.is_set():
             print("regions: stopping all processes", flush=True)
-    except _Stopped:
+    except StopRequested:
         print("regions: stopping all processes", flush=True)
     finally:
         await sup.stop_all(opts.stop_grace)

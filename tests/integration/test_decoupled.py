@@ -6,7 +6,9 @@ import signal
 import pytest
 import torch
 
-from .harness import committed_version, wait_until
+from p2p_diloco.processes import wait_until
+
+from .harness import committed_version
 from .test_swarm import _assert_one_lineage
 
 pytestmark = pytest.mark.integration

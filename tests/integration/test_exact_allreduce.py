@@ -12,10 +12,11 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco import averaging
-from p2p_diloco.averaging import HivemindAveraging, RoundFailed, group_key
+from p2p_diloco import hivemind_averaging as averaging
+from p2p_diloco.averaging import RoundFailed
 from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.hivemind_averaging import HivemindAveraging, group_key
 from p2p_diloco.outer import weighted_mean
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,9 @@ import signal
 
 import pytest
 
-from .harness import committed_version, processes_in_group, wait_until
+from p2p_diloco.processes import processes_in_group, wait_until
+
+from .harness import committed_version
 from .test_swarm import _assert_one_lineage
 
 pytestmark = pytest.mark.integration

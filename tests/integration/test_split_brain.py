@@ -5,7 +5,9 @@ import re
 
 import pytest
 
-from .harness import committed_version, wait_until
+from p2p_diloco.processes import wait_until
+
+from .harness import committed_version
 
 pytestmark = pytest.mark.integration
 

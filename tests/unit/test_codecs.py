@@ -5,6 +5,7 @@ import torch
 from hivemind.compression import CompressionInfo, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
+from p2p_diloco import quantization
 from p2p_diloco.codecs import (
     BF16_MAX,
     CODECS,
@@ -213,3 +214,56 @@ def test_other_input_dtypes():
     assert torch.all((decode(get_codec("fp16").compress(big, None)) - FP16_MAX) == 0)
     with pytest.raises(ValueError, match="floating point"):
         _roundtrip("int8", torch.arange(5))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("block_size", [64, 5])
+@pytest.mark.parametrize("shape", [(0,), (1,), (65,), (1001,), (3, 5), (), (4, 33, 3)])
+def test_pure_round_trip_gives_the_wire_bits(name, block_size, shape):
+    # quantization.round_trip stands in for the all-reduce's crossing in simulations without hivemind
+    x = _randn(shape, seed=sum(shape) + block_size)
+    _, over_the_wire = _roundtrip(name, x, block_size)
+    simulated = quantization.round_trip(name, x, block_size)
+    assert simulated.shape == over_the_wire.shape and simulated.dtype == over_the_wire.dtype == torch.float32
+    assert torch.equal(simulated.view(torch.int32), over_the_wire.view(torch.int32))  # bits, incl. -0.0
+
+
+def _tagged(dtype: str, size: list[int], buffer: bytes) -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(buffer=buffer, size=size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, size, buffer, words", [
+    ("p2pd:int8:17179869184", [1], bytes(5), "block_size"),  # 5 bytes asking for a 64 GiB block
+    ("p2pd:int4:4097", [1], bytes(5), "block_size"),
+    ("p2pd:int8:0", [1], bytes(5), "block_size"),
+    ("p2pd:int8:-1", [1], bytes(5), "block_size"),
+    ("p2pd:int4:x", [1], bytes(5), "malformed"),
+    ("p2pd:fp16:8", [1], bytes(2), "cannot decode"),
+    ("p2pd:int8:064", [1], bytes(5), "cannot decode"),
+    ("p2pd:int8:64", [2**32 - 1], bytes(5), "bytes"),  # the proto's sizes are uint32
+    ("p2pd:int8:64", [2**32 - 1] * 3, bytes(5), "bytes"),
+    ("p2pd:int4:64", [3], bytes(7), "bytes"),
+])
+def test_hostile_tags_and_shapes_are_refused_before_decoding(monkeypatch, dtype, size, buffer, words):
+    def must_not_run(*args):
+        raise AssertionError("decoded a message that should have been refused")
+
+    monkeypatch.setattr(quantization.Quantizer, "_decode", must_not_run)
+    monkeypatch.setattr(quantization.BlockQuantizer, "_decode", must_not_run)
+    msg = _tagged(dtype, size, buffer)
+    with pytest.raises(ValueError, match=words):
+        decode(msg)
+
+
+def test_pure_decode_refuses_negative_shapes():
+    with pytest.raises(ValueError, match="negative"):
+        quantization.get_quantizer("int8", 4).decode(bytes(14), (-2, -3))  # the product would match the buffer
+
+
+def test_block_size_limits():
+    assert parse_tag(f"p2pd:int8:{quantization.MAX_BLOCK_SIZE}") == ("int8", quantization.MAX_BLOCK_SIZE)
+    for bad in (0, quantization.MAX_BLOCK_SIZE + 1, 2**34):
+        with pytest.raises(ValueError, match="block_size"):
+            get_codec("int4", bad)
+        with pytest.raises(ValueError, match="block_size"):
+            parse_tag(f"p2pd:int4:{bad}")

@@ -2,7 +2,9 @@ from pathlib import Path
 
 import pytest
 
+from p2p_diloco.bootstrap import load_bootstrap_config
 from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.errors import LearnerError, UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,3 +47,20 @@ def test_missing_and_broken_files(tmp_path):
         load_learner_config(bad)
     with pytest.raises(ConfigError, match="expected section.field=value"):
         load_learner_config(None, ["inner.lr"])
+
+
+def test_bootstrap_config_errors_are_formatted_like_the_learners():
+    with pytest.raises(ConfigError) as e:
+        load_bootstrap_config(None, {"refresh_period": -1, "startup_timeout": 0, "maddrs_file": None})
+    assert str(e.value) == "refresh_period: Input should be greater than 0 (and 1 more)"
+    with pytest.raises(ConfigError, match="^nope: Extra inputs are not permitted$"):
+        load_bootstrap_config(None, {"nope": 1})
+
+
+def test_every_user_error_is_one_type_the_cli_catches():
+    from p2p_diloco.checkpoint import CheckpointError
+    from p2p_diloco.data import DataError
+
+    for cls in (ConfigError, DataError, CheckpointError, LearnerError):
+        assert issubclass(cls, UserError), cls
+    assert issubclass(LearnerError, RuntimeError) and issubclass(ConfigError, ValueError)

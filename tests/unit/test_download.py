@@ -1,9 +1,18 @@
-"""Parsing a peer's state download: whole state or a subset of fragments, each verified by its hash."""
+"""The served state: one layout for serving, slicing and parsing; a download verified by its hashes;
+and deciding from the progress records that the swarm is ahead."""
+
+from types import SimpleNamespace
 
 import torch
 
-from p2p_diloco.learner import _parse_downloaded
+from p2p_diloco.catch_up import CatchUp
+from p2p_diloco.config import load_learner_config
+from p2p_diloco.fragments import build_fragments
+from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.outer import GlobalState
+from p2p_diloco.progress import Progress
+from p2p_diloco.records import ProgressRecord
+from p2p_diloco.served import fragment_slices, parse_download, select_fragments, snapshot
 
 
 def states() -> list[GlobalState]:
@@ -18,33 +27,54 @@ def states() -> list[GlobalState]:
     return out
 
 
-def served(ss: list[GlobalState]) -> dict:
-    return {"versions": [s.version for s in ss], "shas": [s.sha256() for s in ss],
-            "momentum_initialized": [s.momentum_initialized for s in ss], "tokens": [s.tokens for s in ss],
-            "histories": [[list(h) for h in s.history] for s in ss]}
+def served(ss: list[GlobalState]) -> tuple[dict, list[torch.Tensor]]:
+    return snapshot(ss)
 
 
 def test_subset_download_yields_only_those_fragments_verified():
     theirs, ours = states(), [s.copy() for s in states()]
-    got, problem = _parse_downloaded(served(theirs), [t.clone() for t in theirs[1].tensors()], ours, [1])
+    meta, whole = served(theirs)
+    got, problem = parse_download(meta, select_fragments(whole, [1, 2], [1]), ours, [1])
     assert problem == "" and list(got) == [1]
-    assert got[1].sha256() == theirs[1].sha256() and got[1].version == 5
+    assert got[1].sha256() == theirs[1].sha256() and got[1].version == 5 and got[1].history == theirs[1].history
+
+
+def test_one_layout_for_slices_and_selection():
+    assert fragment_slices([1, 2, 3]) == [slice(0, 2), slice(2, 6), slice(6, 12)]
+    assert fragment_slices([1, 2, 3], [2, 0]) == [slice(0, 2), slice(2, 8)]
+    meta, whole = served(states())
+    assert [t.shape for t in select_fragments(whole, [1, 2], [1])] == [t.shape for t in states()[1].tensors()]
 
 
 def test_whole_download_and_mismatches_are_refused_with_a_reason():
     theirs, ours = states(), states()
-    whole = [t.clone() for s in theirs for t in s.tensors()]
-    got, problem = _parse_downloaded(served(theirs), whole, ours)
+    meta, whole = served(theirs)
+    got, problem = parse_download(meta, whole, ours)
     assert problem == "" and sorted(got) == [0, 1]
     # The tensors of fragment 0 where fragment 1's were asked for: wrong count.
-    _, problem = _parse_downloaded(served(theirs), [t.clone() for t in theirs[0].tensors()], ours, [1])
+    _, problem = parse_download(meta, [t.clone() for t in theirs[0].tensors()], ours, [1])
     assert "expected 4 tensors" in problem
     tampered = [t.clone() for t in theirs[1].tensors()]
     tampered[0][0] += 1.0
-    _, problem = _parse_downloaded(served(theirs), tampered, ours, [1])
+    _, problem = parse_download(meta, tampered, ours, [1])
     assert "hash of fragment 1" in problem
-    _, problem = _parse_downloaded("junk", whole, ours)
-    assert problem == "metadata is not a map"
+    _, problem = parse_download("junk", whole, ours)
+    assert problem == "metadata does not describe every fragment"
+    nan = [t.clone() for t in whole]
+    nan[0][0, 0] = float("nan")
+    assert parse_download(meta, nan, ours)[1] == "tensor holds NaN or Inf"
+    for field, bad in (("version", -1), ("tokens", 2**64 - 1), ("momentum_initialized", 1), ("history", [[1]])):
+        entries = [dict(e) for e in meta["fragments"]]
+        entries[1][field] = bad
+        _, problem = parse_download({**meta, "fragments": entries}, whole, ours)
+        assert problem.startswith("fragment 1:"), (field, problem)
+
+
+def test_global_state_round_trips_through_its_dict():
+    s = states()[1]
+    s.record_contributors(5, ["b", "a"])
+    back = GlobalState.from_dict(s.to_dict())
+    assert back.sha256() == s.sha256() and back.history == s.history and back.contributors == s.contributors
 
 
 class Board:
@@ -55,30 +85,25 @@ class Board:
         return dict(self.records)
 
 
-def learner_behind(records, stop_at=2.5):
-    from p2p_diloco.config import load_learner_config
-    from p2p_diloco.fragments import build_fragments
-    from p2p_diloco.learner import Learner
-
+def catch_up_with(records, stop_at=2.5) -> CatchUp:
     overrides = ["sync.fragments=2"] + ([f"run.stop_at_eval_loss={stop_at}"] if stop_at else [])
-    learner = Learner(load_learner_config(None, overrides))
-    learner.peer_id, learner.board, learner.states = "me", Board(records), states()
-    learner.fragments = build_fragments([("a", torch.Size([4, 5])), ("b", torch.Size([7]))], 2, 10)
-    return learner
+    cfg = load_learner_config(None, overrides)
+    fragments = build_fragments([("a", torch.Size([4, 5])), ("b", torch.Size([7]))], 2, 10)
+    state = LearnerState(fragments=fragments, states=states(), params=[], peer_id="me")
+    progress = Progress(Board(records), state, 15.0)
+    return CatchUp(cfg, state, SimpleNamespace(), progress, should_stop=lambda: False)
 
 
 def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
-    from p2p_diloco.records import ProgressRecord
-
     ahead = ProgressRecord(9, "0" * 64, 10, "done", versions=(9, 9), shas=("a" * 64, "b" * 64))
-    learner = learner_behind({"me": ahead, "peer": ahead})
-    peers, fragments, _ = learner._behind()
-    assert peers == ["peer"] and fragments == [0, 1] and not learner._finished()
-    learner.board.records = {"peer": ProgressRecord(9, "0" * 64, 10, "left")}
-    assert learner._behind() == ([], [], "") and learner._finished()
+    catch_up = catch_up_with({"me": ahead, "peer": ahead})
+    behind = catch_up.behind()
+    assert behind.peers == ["peer"] and behind.fragments == [0, 1] and not catch_up.swarm_gone
+    catch_up.progress.board.records = {"peer": ProgressRecord(9, "0" * 64, 10, "left")}
+    assert catch_up.behind().fragments == [] and catch_up.swarm_gone
     # Without a target loss, a learner left alone trains on (the others may have been interrupted).
-    alone = learner_behind({"peer": ahead}, stop_at=None)
-    alone._behind()
-    alone.board.records = {}
-    alone._behind()
-    assert not alone._finished()
+    alone = catch_up_with({"peer": ahead}, stop_at=None)
+    alone.behind()
+    alone.progress.board.records = {}
+    alone.behind()
+    assert not alone.swarm_gone

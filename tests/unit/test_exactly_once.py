@@ -4,15 +4,23 @@ leaves out an outer gradient the swarm already holds."""
 import asyncio
 import logging
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
 
 from p2p_diloco.allreduce import AllOrNothingReducer
+from p2p_diloco.catch_up import CatchUp
+from p2p_diloco.config import load_learner_config
 from p2p_diloco.fragments import build_fragments
-from p2p_diloco.learner import Counters, Learner, Unconfirmed, _parse_downloaded
-from p2p_diloco.outer import CONTRIBUTOR_VERSIONS, GlobalState, merge_lineages
+from p2p_diloco.grace import GraceWindow
+from p2p_diloco.learner_state import LearnerState, Unconfirmed
+from p2p_diloco.outer import CONTRIBUTOR_VERSIONS, GlobalState, OuterOptimizer, merge_lineages
+from p2p_diloco.progress import Progress
+from p2p_diloco.round import RoundOutcome, Stage
+from p2p_diloco.rounds import InFlight, Rounds
+from p2p_diloco.served import parse_download
 
 from .test_download import served, states
 
@@ -75,18 +83,21 @@ def test_a_sender_that_delivered_every_part_does_not_fail_the_shard():
     _run(scenario)
 
 
-def _learner(p: int = 2) -> Learner:
-    """A Learner with just what rebasing needs: two fragments of one tensor each."""
-    learner = Learner.__new__(Learner)
+def _parts(p: int = 2, *overrides: str) -> tuple[LearnerState, CatchUp, Rounds]:
+    """Just what rebasing and late rounds need: two fragments of one tensor each, no network."""
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(3)) for _ in range(p)])
-    learner.params = list(model)
-    learner.fragments = build_fragments([(f"w{i}", (3,)) for i in range(p)], p, 10)
-    learner.counters = Counters(tokens_since_merge=[0] * p, steps_since_merge=[0] * p, missed_versions=[0] * p)
-    learner._unconfirmed = {}
-    learner.peer_id, learner.short_id = "me", "me"
-    learner.states = []
-    learner.stop = threading.Event()
-    return learner
+    fragments = build_fragments([(f"w{i}", (3,)) for i in range(p)], p, 10)
+    state = LearnerState(fragments=fragments, states=[_state(0.0, 4) for _ in range(p)], params=list(model),
+                         peer_id="me")
+    state.counters.resize(p)
+    cfg = load_learner_config("peers/small-cpu.toml", ["sync.overlap_steps=2", "sync.max_wait_seconds=0.05",
+                                                       *overrides])
+    averaging = SimpleNamespace(set_state_priority=lambda version: None)
+    progress = Progress(SimpleNamespace(read=dict), state, 15.0)
+    catch_up = CatchUp(cfg, state, averaging, progress, should_stop=lambda: False)
+    grace = GraceWindow(2, 0.5, 3.0, 6.0)
+    rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, None, catch_up, progress, lambda: None)
+    return state, catch_up, rounds
 
 
 def _state(value: float, version: int, contributors=None) -> GlobalState:
@@ -99,19 +110,19 @@ def _state(value: float, version: int, contributors=None) -> GlobalState:
 
 @pytest.mark.parametrize("included", [True, False])
 def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, caplog):
-    learner = _learner()
-    frag = learner.fragments[0]
-    p = learner._local(frag)[0]
+    state, catch_up, _ = _parts()
+    frag = state.fragments[0]
+    p = state.local(frag)[0]
     ours = _state(0.0, 4)
     # We sent our progress at θ = 1 (10 steps, 640 tokens), then trained on to θ = 1.5 (5 more steps).
-    learner._unconfirmed[frag.index] = Unconfirmed(4, [torch.full((3,), 1.0)], 640, 10)
+    state.unconfirmed[frag.index] = Unconfirmed(4, [torch.full((3,), 1.0)], 640, 10)
     with torch.no_grad():
         p.fill_(1.5)
-    learner.counters.tokens_since_merge[frag.index], learner.counters.steps_since_merge[frag.index] = 960, 15
+    state.counters.tokens_since_merge[frag.index], state.counters.steps_since_merge[frag.index] = 960, 15
     new = _state(10.0, 5, ["me", "other"] if included else ["other"])
-    with caplog.at_level(logging.INFO, logger="p2p_diloco.learner"):
-        learner._rebase_onto(frag, ours, new)
-    c = learner.counters
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.catch_up"):
+        catch_up._rebase_onto(frag, ours, new)
+    c = state.counters
     if included:  # only the 5 steps after the round are ours to contribute still
         assert torch.allclose(p.detach(), torch.full((3,), 10.5))
         assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (320, 5, 1)
@@ -119,62 +130,51 @@ def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, c
     else:  # the round did not use it: all 15 steps are kept
         assert torch.allclose(p.detach(), torch.full((3,), 11.5))
         assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (960, 15, 0)
-    assert frag.index not in learner._unconfirmed
+    assert frag.index not in state.unconfirmed
 
 
 def test_rebase_without_known_contributors_keeps_the_progress_and_says_so(caplog):
-    learner = _learner()
-    frag = learner.fragments[1]
-    learner._unconfirmed[frag.index] = Unconfirmed(2, [torch.full((3,), 1.0)], 64, 1)
+    state, catch_up, _ = _parts()
+    frag = state.fragments[1]
+    state.unconfirmed[frag.index] = Unconfirmed(2, [torch.full((3,), 1.0)], 64, 1)
     with torch.no_grad():
-        learner._local(frag)[0].fill_(1.0)
-    with caplog.at_level(logging.INFO, logger="p2p_diloco.learner"):
-        learner._rebase_onto(frag, _state(0.0, 2), _state(5.0, 3))  # no contributors recorded
-    assert torch.allclose(learner._local(frag)[0].detach(), torch.full((3,), 6.0))
+        state.local(frag)[0].fill_(1.0)
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.catch_up"):
+        catch_up._rebase_onto(frag, _state(0.0, 2), _state(5.0, 3))  # no contributors recorded
+    assert torch.allclose(state.local(frag)[0].detach(), torch.full((3,), 6.0))
     assert "cannot tell" in caplog.text
 
 
 def test_an_unconfirmed_gradient_from_an_older_version_is_dropped():
-    learner = _learner()
-    frag = learner.fragments[0]
-    learner._unconfirmed[frag.index] = Unconfirmed(1, [torch.full((3,), 1.0)], 64, 1)
-    learner._rebase_onto(frag, _state(0.0, 2), _state(5.0, 3, ["me"]))  # from version 1, not 2
-    assert torch.allclose(learner._local(frag)[0].detach(), torch.full((3,), 5.0))
-    assert learner.counters.contributions_confirmed == 0 and not learner._unconfirmed
+    state, catch_up, _ = _parts()
+    frag = state.fragments[0]
+    state.unconfirmed[frag.index] = Unconfirmed(1, [torch.full((3,), 1.0)], 64, 1)
+    catch_up._rebase_onto(frag, _state(0.0, 2), _state(5.0, 3, ["me"]))  # from version 1, not 2
+    assert torch.allclose(state.local(frag)[0].detach(), torch.full((3,), 5.0))
+    assert state.counters.contributions_confirmed == 0 and not state.unconfirmed
 
 
 def test_downloaded_contributors_are_parsed_and_malformed_ones_refused():
     theirs, ours = states(), [s.copy() for s in states()]
     theirs[1].record_contributors(5, ["peer-a", "peer-b"])
-    meta = served(theirs)
-    meta["contributors"] = [[[v, list(p)] for v, p in s.contributors] for s in theirs]
-    whole = [t.clone() for s in theirs for t in s.tensors()]
-    got, problem = _parse_downloaded(meta, whole, ours)
+    meta, whole = served(theirs)
+    got, problem = parse_download(meta, whole, ours)
     assert problem == "" and got[1].contributed(5, "peer-b") and got[0].contributed(5, "peer-b") is None
-    got, problem = _parse_downloaded(served(theirs), whole, ours)  # a peer that does not send them
-    assert problem == "" and got[1].contributors == []
-    for bad in ([[[5, "peer-a"]], []], [[["5", ["a"]]], []], "x", [[[5, [1]]], []]):
-        _, problem = _parse_downloaded({**meta, "contributors": bad}, whole, ours)
+    for bad in ([[5, "peer-a"]], [["5", ["a"]]], "x", [[5, [1]]]):
+        entries = [dict(e) for e in meta["fragments"]]
+        entries[0]["contributors"] = bad
+        _, problem = parse_download({**meta, "fragments": entries}, whole, ours)
         assert "contributors" in problem, bad
 
 
-def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commits(caplog):
-    from types import SimpleNamespace
-
-    from p2p_diloco.config import load_learner_config
-    from p2p_diloco.learner import InFlight
-    from p2p_diloco.round import RoundOutcome, Stage
-
-    learner = _learner()
-    learner.cfg = load_learner_config("peers/small-cpu.toml", ["sync.overlap_steps=2", "sync.max_wait_seconds=0.05"])
-    learner.averaging = SimpleNamespace(set_state_priority=lambda version: None)
-    learner.download, learner.detached, learner._served = None, None, None
-    learner.states = [_state(0.0, 4), _state(0.0, 4)]
-    frag = learner.fragments[0]
-    p = learner._local(frag)[0]
+@pytest.mark.parametrize("policy", ["overwrite", "mix"])
+def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commits(policy, caplog):
+    state, _, rounds = _parts(2, f"sync.apply_policy={policy}")
+    frag = state.fragments[0]
+    p = state.local(frag)[0]
     release = threading.Event()
     task = InFlight(fragment=frag, apply_at=0, snapshot=[torch.full((3,), 1.0)], tokens=640, steps=10, window=1.0,
-                    state=learner.states[0].copy())
+                    state=state.states[0].copy())
 
     def slow_round():
         release.wait(5)
@@ -186,20 +186,39 @@ def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commi
 
     task.thread = threading.Thread(target=slow_round, daemon=True)
     task.thread.start()
-    learner.inflight = task
+    rounds.inflight = task
     with torch.no_grad():
         p.fill_(1.5)  # 5 steps of progress after the round started
-    learner.counters.tokens_since_merge[0], learner.counters.steps_since_merge[0] = 960, 15
-    with caplog.at_level(logging.INFO, logger="p2p_diloco.learner"):
-        assert learner._finish_round() is None  # did not wait for it
-        assert learner.inflight is None and learner.detached is task and 0 in learner._unconfirmed
-        learner._poll_detached()  # still running: nothing happens
-        assert learner.states[0].version == 4
+    state.counters.tokens_since_merge[0], state.counters.steps_since_merge[0] = 960, 15
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.rounds"):
+        assert rounds.finish() is None  # did not wait for it
+        assert rounds.inflight is None and rounds.detached is task and 0 in state.unconfirmed
+        rounds.poll_detached()  # still running: nothing happens
+        assert state.states[0].version == 4
         release.set()
         task.thread.join(5)
-        learner._poll_detached()
-    assert learner.detached is None and learner.states[0].version == 5
-    assert torch.allclose(p.detach(), torch.full((3,), 10.5))  # Θ_new + the 5 steps after the round started
-    c = learner.counters
+        rounds.poll_detached()
+    assert rounds.detached is None and state.states[0].version == 5 and 0 not in state.unconfirmed
+    # The late result goes through the same door as one on time: the apply policy holds for it too.
+    expected = 10.5 if policy == "mix" else 10.0  # mix: Θ_new + the 5 steps after the round started
+    assert torch.allclose(p.detach(), torch.full((3,), expected))
+    c = state.counters
     assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.missed_versions[0], c.outer_steps) == (320, 5, 0, 1)
     assert "training on" in caplog.text and "committed version 5" in caplog.text
+
+
+def test_a_round_that_raises_is_a_failed_outcome_not_an_exception(caplog):
+    from p2p_diloco.round import OuterRound
+
+    class Broken:
+        def average(self, *args, **kwargs):
+            raise KeyError("surprise")
+
+    s = _state(0.0, 4)
+    rnd = OuterRound(state=s, optimizer=OuterOptimizer(load_learner_config(None).outer), averaging=Broken(),
+                     local_params=[torch.ones(3)], tokens=64, inner_steps=1)
+    with caplog.at_level(logging.DEBUG, logger="p2p_diloco.round"):
+        out = rnd.run()
+    assert not out.committed and "KeyError" in out.reason and s.version == 4
+    assert [r.levelno for r in caplog.records if "failed unexpectedly" in r.getMessage()] == [logging.WARNING]
+    assert any(r.exc_info for r in caplog.records if r.levelno == logging.DEBUG)

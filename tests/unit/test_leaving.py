@@ -1,44 +1,45 @@
-"""When a stopped learner's matchmaking and downloads give up (``Learner._leaving``), and which
-progress records its training loop reads (``Learner._records``)."""
+"""When a stopped learner's matchmaking and downloads give up (``parting.Leaving``), and which
+progress records its training loop reads (``Progress.records``)."""
 
 import threading
 import time
+from types import SimpleNamespace
 
-from p2p_diloco.config import load_learner_config
-from p2p_diloco.learner import Learner
+from p2p_diloco.parting import Leaving
+from p2p_diloco.progress import Progress
 
 
-def _learner(*overrides):
-    return Learner(load_learner_config(None, ["run.drain_seconds=30", *overrides]), threading.Event())
+def _learner(drain_seconds: float = 30.0) -> Leaving:
+    return Leaving(drain_seconds, threading.Event())
 
 
 def test_a_stop_during_set_up_leaves_at_once():
     learner = _learner()
-    assert not learner._leaving()
+    assert not learner()
     learner.stop.set()
-    assert learner._leaving()
+    assert learner()
 
 
 def test_once_training_the_stop_leaves_the_drain_budget_then_gives_up():
     learner = _learner()
-    learner._training = True
+    learner.training = True
     learner.stop.set()
-    assert not learner._leaving()  # the round forming at the signal may still meet the others
-    assert learner._parting_until is not None and learner._parting_until > time.monotonic() + 25
-    learner._parting_until = time.monotonic() - 0.1
-    assert learner._leaving()
+    assert not learner()  # the round forming at the signal may still meet the others
+    assert learner.until is not None and learner.until > time.monotonic() + 25
+    learner.until = time.monotonic() - 0.1
+    assert learner()
 
 
 def test_a_second_signal_or_no_budget_leaves_at_once():
     learner = _learner()
-    learner._training = True
+    learner.training = True
     learner.stop.set()
     learner.leave_now.set()
-    assert learner._leaving()
-    none = _learner("run.drain_seconds=0")
-    none._training = True
+    assert learner()
+    none = _learner(0.0)
+    none.training = True
     none.stop.set()
-    assert none._leaving()
+    assert none()
 
 
 class _Board:
@@ -51,14 +52,13 @@ class _Board:
 
 
 def test_the_training_loop_reads_records_as_last_seen_until_a_round_fails():
-    learner = _learner()
-    learner.board = _Board()
-    assert learner._records(fresh=False) == {"peer": 1}  # nothing seen yet: looked up
-    assert learner._records(fresh=False) == {"peer": 1}  # as last seen: no lookup
-    assert learner._records(fresh=True) == {"peer": 2}
-    learner._records_stale = True  # what a failed round sets
-    assert learner._records(fresh=False) == {"peer": 3}
-    assert learner._records(fresh=False) == {"peer": 3}
+    learner = Progress(_Board(), SimpleNamespace(peer_id="me"), 15.0)
+    assert learner.records(fresh=False) == {"peer": 1}  # nothing seen yet: looked up
+    assert learner.records(fresh=False) == {"peer": 1}  # as last seen: no lookup
+    assert learner.records(fresh=True) == {"peer": 2}
+    learner.stale = True  # what a failed round sets
+    assert learner.records(fresh=False) == {"peer": 3}
+    assert learner.records(fresh=False) == {"peer": 3}
     assert learner.board.reads == 3
 
 

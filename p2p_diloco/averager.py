@@ -1,0 +1,251 @@
+"""hivemind's DecentralizedAverager, made to all-reduce one fragment per round exactly.
+
+:class:`OuterGradientAverager` runs :class:`~p2p_diloco.allreduce.ExactAllReduceRunner` on the tensors
+of the fragment named in the round's gathered metadata, refuses parts for groups it is not forming,
+and serves single fragments of the global state besides hivemind's whole-state download. It runs in
+hivemind's averager process; :class:`~p2p_diloco.hivemind_averaging.HivemindAveraging` is the learner's
+side of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from p2p_diloco.allreduce import ExactAllReduceRunner
+from p2p_diloco.averaging import StateProvider
+from p2p_diloco.faults import FaultPlan
+from p2p_diloco.lifecycle import die_with_parent
+from p2p_diloco.served import select_fragments
+
+logger = get_logger(__name__)
+
+
+class OuterGradientAverager(DecentralizedAverager):
+    """DecentralizedAverager running :class:`ExactAllReduceRunner` on one fragment per round.
+
+    ``averaged_tensors`` holds buffers for every parameter; a round all-reduces only the tensors of
+    the fragment named in the step's gathered metadata (``{"fragment": f, ...}``), compressed with
+    that fragment's codec. ``step()`` returns ``{"gathered": ..., "stats": ...}``: hivemind's gathered
+    metadata plus the all-reduce's seconds and bytes, measured inside the averager process.
+
+    Besides hivemind's whole-state download it serves single fragments (``rpc_download_fragments``):
+    a learner behind on one fragment fetches that fragment only, 1/P of the bytes.
+    """
+
+    # hivemind caches the RPC handlers per class on first use; a subclass that adds an RPC must not
+    # inherit the base class's cache.
+    _rpc_handlers = None
+    _stub_type = None
+
+    def __init__(
+        self,
+        averaged_tensors,
+        dht: DHT,
+        *,
+        fragments: Sequence[Sequence[int]],
+        codecs: Sequence[CompressionBase],
+        state_provider: StateProvider | None = None,
+        faults: FaultPlan | None = None,
+        **kwargs,
+    ):
+        self._state_provider = state_provider
+        self._faults = faults or FaultPlan()
+        self._fault_round = 0
+        self._fragments = [tuple(f) for f in fragments]
+        self._codecs = list(codecs)
+        self._round_stats: dict[bytes, dict[str, float]] = {}
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        die_with_parent(self._parent_pid)
+        super().run()
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        # Mirrors DecentralizedAverager._aggregate_with_group, restricted to one fragment's tensors.
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
+            fragment = _agreed_fragment(gathered, len(self._fragments))
+            mine = gathered.get(self.peer_id)
+            self._fault_round = int(mine.get("version", -1)) + 1 if isinstance(mine, dict) else 0
+            modes = tuple(map(AveragingMode, mode_ids))
+            download_bandwidths = [
+                thr if mode != AveragingMode.CLIENT else 0.0 for thr, mode in zip(bandwidths, modes, strict=True)
+            ]
+            indices = self._fragments[fragment]
+            size = sum(self._averaged_tensors[i].numel() for i in indices)
+            peer_fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, size, download_bandwidths, min_vector_size
+            )
+            kwargs["compression"], kwargs["tensor_infos"] = self._codecs[fragment], None
+            async with enter_asynchronously(self.get_tensors()) as all_tensors:
+                tensors = [all_tensors[i] for i in indices]
+                await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=peer_fractions, **kwargs)
+            return {"gathered": gathered, "stats": self._round_stats.pop(group_info.group_id, {})}
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"all-reduce failed: {e!r}")
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's parts for an all-reduce; refused at once if we are in no such group.
+
+        hivemind waits, for a group id it does not know, until this averager registers its next
+        group: a follower may receive parts before its leader's "begin all-reduce" arrives. A peer
+        that was counted into a group it never joined (its join request timed out after the leader
+        had accepted it, see docs/design.md "Ghost groupmates") is not about to register that
+        group, and the sender waited ``2 · next_chunk_timeout`` for it while the learner sat at τ.
+        Here the part waits only while a group may still be forming for this averager; otherwise
+        it gets ``BAD_GROUP_ID`` and the sender drops the round within one poll.
+        """
+        request = await anext(stream)
+        if request.group_id not in self._running_groups and not await self._may_join(request.group_id):
+            logger.debug(f"refused parts from {context.remote_id}: not in that group")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _may_join(self, group_id: bytes, poll: float = 0.05) -> bool:
+        """Wait until ``group_id`` is registered (True) or no group is forming here (False).
+
+        "Forming": a join request or accept is under way, a leader accepted us and its answer is
+        due, or a group was assembled and is about to be registered. Two polls in a row without
+        any of these are needed, because between the matchmaker's return and the registration
+        there is one event-loop turn in which none shows.
+        """
+        mm, idle_polls = self._matchmaking, 0
+        while group_id not in self._running_groups:
+            forming = (mm.current_leader is not None or mm.lock_request_join_group.locked()
+                       or (mm.is_looking_for_group and mm.assembled_group.done()))
+            idle_polls = 0 if forming else idle_polls + 1
+            if idle_polls >= 2:
+                return False
+            await asyncio.sleep(poll)
+        return True
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        started = time.perf_counter()
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        runner.faults, runner.round = self._faults, self._fault_round
+        self._running_groups[group_id].set_result(runner)
+        outputs = await runner.collect()
+        for tensor, averaged in zip(tensors, outputs, strict=True):
+            tensor.copy_(averaged)
+        self._round_stats[group_id] = {
+            "seconds": time.perf_counter() - started,
+            "bytes_sent": runner.bytes_sent,
+        }
+
+    def load_state_from_peer(self, peer: str, timeout: float, fragments: Sequence[int] | None = None):
+        """Download the state of one given peer (an MPFuture of (metadata, tensors) or None).
+
+        ``fragments``: only these fragments' tensors (parameters then momentum of each, in order);
+        None: the whole state.
+        """
+        future = MPFuture()
+        wanted = None if fragments is None else [int(f) for f in fragments]
+        self._outer_pipe.send(("_load_state_from_peer", [],
+                               dict(peer=peer, timeout=timeout, future=future, fragments=wanted)))
+        return future
+
+    async def rpc_download_fragments(
+        self, request: averaging_pb2.AveragingData, _context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream the served metadata and the tensors of the fragments listed in ``request.group_id``.
+
+        hivemind has no download request with a free field, so this reuses ``AveragingData``: its
+        ``group_id`` bytes carry the msgpack list of fragment indices wanted.
+        """
+        if not self.allow_state_sharing:
+            return
+        try:
+            wanted = sorted({int(f) for f in self.serializer.loads(request.group_id)})
+            if not wanted or not all(0 <= f < len(self._fragments) for f in wanted):
+                raise ValueError(f"fragments {wanted} out of range")
+        except Exception as e:  # noqa: BLE001 - a malformed request is refused, not fatal
+            logger.warning(f"refused a fragment download request: {e!r}")
+            return
+        metadata, tensors, _ = await self._get_current_state_from_host_process()
+        selected = select_fragments(tensors, [len(indices) for indices in self._fragments], wanted)
+        for i, tensor in enumerate(selected):
+            info = CompressionInfo.from_tensor(tensor, key=i)
+            for part in split_for_streaming(self.state_compression.compress(tensor, info, allow_inplace=False)):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                metadata = None
+
+    async def _load_state_from_peer(
+        self, peer: str, timeout: float, future: MPFuture, fragments: list[int] | None = None
+    ) -> None:
+        # Mirrors the per-peer body of DecentralizedAverager._load_state_from_peers.
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            if fragments is None:
+                stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            else:
+                request = averaging_pb2.AveragingData(group_id=self.serializer.dumps(fragments))
+                stream = await stub.rpc_download_fragments(request)
+            metadata: Any = None
+            tensors: list[torch.Tensor] = []
+            parts: list[Any] = []
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            future.set_result((metadata, tensors) if metadata is not None else None)
+        except Exception as e:  # noqa: BLE001 - any failure: the caller tries another peer
+            logger.warning(f"download from {peer} failed: {e!r}")
+            if not future.done():
+                future.set_result(None)
+
+    def get_current_state(self):
+        if self._state_provider is None:
+            return {}, [], None
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+
+def _agreed_fragment(gathered: dict, num_fragments: int) -> int:
+    fragments = {m.get("fragment") if isinstance(m, dict) else None for m in gathered.values()}
+    if len(fragments) != 1:
+        raise AllreduceException(f"groupmates disagree on the fragment: {fragments}")
+    (fragment,) = fragments
+    if not isinstance(fragment, int) or not 0 <= fragment < num_fragments:
+        raise AllreduceException(f"invalid fragment index {fragment!r}")
+    return fragment
+
+

@@ -1,0 +1,228 @@
+"""Catching up: deciding that the swarm is ahead (or holds a sibling lineage), downloading the newer
+state of those fragments from peers, and taking it: adopt a descendant, merge a sibling (split brain),
+and rebase local progress onto the result without contributing an outer gradient twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from p2p_diloco.averaging import Averaging
+from p2p_diloco.config import LearnerConfig
+from p2p_diloco.errors import LearnerError
+from p2p_diloco.fragments import Fragment
+from p2p_diloco.learner_state import LearnerState, same_or_behind
+from p2p_diloco.outer import GlobalState, apply_result, merge_lineages
+from p2p_diloco.progress import Progress
+from p2p_diloco.records import ProgressRecord
+from p2p_diloco.served import parse_download
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Download:
+    """A state download running in the background while inner steps go on."""
+
+    fragments: tuple[int, ...]  # the fragments the swarm is ahead on (or holds a sibling of)
+    started: float
+    thread: threading.Thread | None = None
+    result: dict[int, GlobalState] | None = None
+
+
+@dataclass
+class Behind:
+    """What the progress records say we lack: peers to download from (newest first), and why."""
+
+    peers: list[str]
+    fragments: list[int]
+    reason: str
+
+
+class CatchUp:
+    def __init__(self, cfg: LearnerConfig, state: LearnerState, averaging: Averaging, progress: Progress,
+                 should_stop: Callable[[], bool]):
+        self.cfg, self.state, self.averaging, self.progress = cfg, state, averaging, progress
+        self.should_stop = should_stop
+        self.download: Download | None = None
+        self.done_ahead = 0  # newest version seen in a peer that finished ("done")
+        self.swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
+
+    def downloading(self, fragment: int) -> bool:
+        return self.download is not None and fragment in self.download.fragments
+
+    def start(self, background: bool = False) -> list[int]:
+        """Before contributing: take newer state from peers, and heal sibling lineages (split brain).
+
+        Returns the fragments that changed. ``background``: start the download in a thread and
+        return at once; inner steps go on, and :meth:`poll` adopts the state when it has arrived
+        (rounds of those fragments wait for it).
+        """
+        if self.download is not None:
+            return []
+        behind = self.behind(fresh=not background)
+        if not behind.fragments:
+            return []
+        logger.info(f"the swarm {behind.reason} our version {self.state.version} of fragments {behind.fragments}: "
+                    f"downloading{' in the background' if background else ''}")
+        if not background:
+            return self.adopt(self.fetch(behind.peers, behind.fragments))
+        task = Download(fragments=tuple(behind.fragments), started=time.perf_counter())
+
+        def fetch() -> None:
+            task.result = self.fetch(behind.peers, behind.fragments)
+
+        task.thread = threading.Thread(target=fetch, daemon=True, name="state-download")
+        self.download = task
+        task.thread.start()
+        return []
+
+    def poll(self, busy: int | None) -> None:
+        """Adopt a background download once it has arrived and no round of its fragments (``busy``) runs."""
+        task = self.download
+        if task is None or task.thread is None or task.thread.is_alive():
+            return
+        if busy is not None and busy in task.fragments:
+            return  # that round holds the fragment's state; adopt after it
+        self.download = None
+        self.state.counters.download_seconds += time.perf_counter() - task.started
+        theirs = {f: state for f, state in (task.result or {}).items() if f != busy}
+        if theirs:
+            self.adopt(theirs)
+
+    def finish(self) -> None:
+        """Wait (bounded) for a background download and adopt it: the training loop has ended."""
+        if self.download is not None and self.download.thread is not None:
+            self.download.thread.join(timeout=self.cfg.averaging.next_chunk_timeout)
+            self.poll(busy=None)
+
+    def behind(self, fresh: bool = True) -> Behind:
+        """Which peers hold newer state (or a sibling lineage) of which fragments, from the progress records.
+
+        Also notes the swarm's end: raises :class:`LearnerError` if it finished the run without us
+        and nobody serves its state, and sets :attr:`swarm_gone` if it stopped at the target loss.
+        """
+        records = self.progress.others(fresh)
+        live = {p: r for p, r in records.items() if r.status != "left"}
+        self.done_ahead = max([self.done_ahead] + [r.version for r in live.values() if r.status == "done"])
+        ahead, siblings, fragments = self._compare(live)
+        if ahead or siblings:
+            # Newest first; random among equals, so that many joiners spread over the peers that serve.
+            peers = [p for p, _ in sorted(ahead.items(), key=lambda kv: kv[1], reverse=True)]
+            peers += [p for p, _ in sorted(siblings.items(), key=lambda kv: kv[1], reverse=True) if p not in ahead]
+            reason = "is ahead of" if ahead else "holds a sibling lineage of"
+            return Behind(peers, sorted(fragments), reason)
+        self._check_swarm_end(records, live)
+        return Behind([], [], "")
+
+    def _compare(self, live: dict[str, ProgressRecord]) -> tuple[dict, dict, set[int]]:
+        ahead: dict[str, tuple[int, float]] = {}
+        siblings: dict[str, tuple[int, float]] = {}
+        fragments: set[int] = set()
+        states = self.state.states
+        mine_shas = [s.sha256() for s in states] if live else []  # hashing a fragment is not free
+        for p, r in live.items():
+            for f in range(len(states)):
+                v, sha = r.fragment_version(f), r.fragment_sha(f)
+                if v > states[f].version:
+                    ahead[p] = max(ahead.get(p, (0, 0.0)), (v, random.random()))
+                    fragments.add(f)
+                elif v == states[f].version and sha and sha != mine_shas[f]:
+                    siblings[p] = max(siblings.get(p, (0, 0.0)), (v, random.random()))
+                    fragments.add(f)
+        return ahead, siblings, fragments
+
+    def _check_swarm_end(self, records: dict[str, ProgressRecord], live: dict[str, ProgressRecord]) -> None:
+        target, version = self.cfg.run.max_outer_steps, self.state.version
+        finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
+        if finished and target is not None and version < target and not live:
+            raise LearnerError(
+                f"the swarm already finished at version {max(finished)} and no running peer serves that "
+                f"state; start this learner with a higher --max-outer-steps or with other learners"
+            )
+        if self.cfg.run.stop_at_eval_loss is not None and self.done_ahead > version and not live:
+            # Peers stopped at the target loss ahead of us and have left while we were behind (say,
+            # mid-download over a slow link): nobody is left to merge with or to serve the state, so
+            # we stop too instead of training alone. Our local progress is in the checkpoint.
+            self.swarm_gone = True
+            logger.warning(f"the swarm reached the target at version {self.done_ahead} and left while we were "
+                           "behind; stopping too (local progress is in the checkpoint)")
+
+    def fetch(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None) -> dict[int, GlobalState]:
+        """Download and verify ``fragments`` (all when None) from the first of ``peers`` that serves them,
+        else the whole state from any peer. Touches no learner state: safe in a background thread."""
+        attempts: list[str | None] = [*peers[:3], None]  # None: any peer, newest first (hivemind's priority)
+        for peer in attempts:
+            if self.should_stop():
+                return {}
+            timeout = self.cfg.averaging.next_chunk_timeout
+            wanted = None if peer is None else fragments
+            loaded = (self.averaging.download_state(timeout) if peer is None
+                      else self.averaging.download_state_from(peer, timeout, wanted))
+            if loaded is None:
+                logger.warning(f"no state from {peer or 'any peer'}")
+                continue
+            theirs, problem = parse_download(*loaded, self.state.states, wanted)
+            if problem:
+                logger.warning(f"rejected state from {peer or 'a peer'}: {problem}")
+                continue
+            if any(not same_or_behind(self.state.states[f], s) for f, s in theirs.items()):
+                return theirs
+        return {}
+
+    def adopt(self, theirs: dict[int, GlobalState]) -> list[int]:
+        """Take the fragments of ``theirs`` that are ahead of ours; returns those that changed."""
+        changed = [f for f, state in sorted(theirs.items()) if self._reconcile(self.state.fragments[f], state)]
+        if changed:
+            self.state.counters.syncs += 1
+            self.state.refresh_served()
+            self.averaging.set_state_priority(self.state.version)
+            logger.info(f"synced global state v{self.state.version} (fragments {changed}) sha "
+                        f"{self.state.whole_sha256()[:12]} from peers (local progress kept)")
+        return changed
+
+    def _reconcile(self, frag: Fragment, theirs: GlobalState) -> bool:
+        """Take a peer's state of one fragment if it is ahead of ours; merge if it is a sibling lineage."""
+        ours = self.state.states[frag.index]
+        if same_or_behind(ours, theirs):
+            return False
+        if theirs.descends_from(ours.version, ours.sha256()):
+            new = theirs  # ahead of us on our own lineage: catch up
+        else:
+            new = merge_lineages(ours, theirs)
+            self.state.counters.merges += 1
+            logger.warning(f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a "
+                           f"peer's v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} "
+                           f"{new.sha256()[:12]} weighted by tokens")
+        self._rebase_onto(frag, ours, new)
+        self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
+        self.state.states[frag.index] = new
+        return True
+
+    def _rebase_onto(self, frag: Fragment, ours: GlobalState, new: GlobalState) -> None:
+        """Move our progress on ``frag`` onto ``new``, minus an outer gradient that is already in it."""
+        f, local = frag.index, self.state.local(frag)
+        pending = self.state.unconfirmed.pop(f, None)
+        included = None
+        if pending is not None and pending.version == ours.version and new.version > ours.version:
+            included = new.contributed(ours.version + 1, self.state.peer_id)
+        if pending is None or not included:
+            if included is None and pending is not None and new.version > ours.version:
+                logger.warning(f"fragment {f}: cannot tell whether our outer gradient from version {ours.version} "
+                               f"reached version {ours.version + 1} (its contributors are not known); keeping our "
+                               "progress")
+            apply_result(local, new.params, ours.params, "mix")
+            return
+        # θ ← Θ_new + (θ − snapshot): what we trained since the round started is kept, what we sent is
+        # in Θ_new already. (Overwriting would drop steps that are not.)
+        apply_result(local, new.params, pending.snapshot, "mix")
+        self.state.counters.merged(f, pending.tokens, pending.steps, len(self.state.fragments))
+        self.state.counters.contributions_confirmed += 1
+        logger.info(f"fragment {f}: our outer gradient from version {ours.version} ({pending.steps} steps) is in "
+                    f"version {ours.version + 1}, committed by the others without us seeing it; not contributing "
+                    "it again")

@@ -1,0 +1,268 @@
+"""Averaging of outer gradients over a hivemind DHT: :class:`HivemindAveraging`.
+
+Matchmaking is keyed by the global version: before each round the averager's group bits are set
+to (fragment, binary version number), so only learners that hold the same version of the same
+fragment look for each other (hivemind's group key is ``{prefix}.0b{bits}``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.averaging.control import AveragingStage
+from hivemind.compression import NoCompression
+from hivemind.utils import get_dht_time, get_logger
+
+from p2p_diloco.averager import OuterGradientAverager
+from p2p_diloco.averaging import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
+from p2p_diloco.codecs import get_codec
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.faults import FaultPlan
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class HivemindAveraging:
+    """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state.
+
+    ``fragments`` lists the tensor indices of each fragment (default: one fragment of everything)
+    and ``codecs`` the codec name of each fragment.
+    """
+
+    dht: DHT
+    template: Sequence[torch.Tensor]
+    cfg: AveragingConfig
+    prefix: str
+    state_provider: StateProvider | None = None
+    # Polled while looking for a group: returns the swarm's newest version of a fragment, to stop
+    # waiting for a group that has already moved on.
+    newest_version: Callable[[int], int] | None = None
+    fragments: Sequence[Sequence[int]] | None = None
+    codecs: Sequence[str] | None = None
+    poll_seconds: float = 1.0
+    faults: FaultPlan | None = None
+    # Set when the learner is asked to stop: matchmaking in progress is abandoned.
+    should_stop: Callable[[], bool] = lambda: False
+    _buffers: list[torch.Tensor] = field(init=False)
+    _averager: OuterGradientAverager = field(init=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    # hivemind sends every request down one pipe without a lock; the round thread and the training
+    # thread both talk to the averager.
+    _pipe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _superseded_by: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
+        # process); for a learner a dropped round is a normal outcome, reported by the rounds in one
+        # WARNING line naming the cause. The traceback stays available at DEBUG.
+        averager_logger = logging.getLogger("hivemind.averaging.averager")
+        if not any(isinstance(f, _FailedStepToDebug) for f in averager_logger.filters):
+            averager_logger.addFilter(_FailedStepToDebug())
+        self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
+        if self.fragments is None:
+            self.fragments = [tuple(range(len(self._buffers)))]
+        names = list(self.codecs) if self.codecs else [self.cfg.compression] * len(self.fragments)
+        sigint = signal.getsignal(signal.SIGINT)  # hivemind sets SIGINT to "ignore" in *our* process
+        self._averager = OuterGradientAverager(
+            self._buffers,
+            self.dht,
+            fragments=self.fragments,
+            codecs=[get_codec(name) for name in names],
+            state_provider=self.state_provider,
+            faults=self.faults,
+            start=True,
+            prefix=self.prefix,
+            min_group_size=self.cfg.min_group_size,
+            target_group_size=self.cfg.target_group_size,
+            min_matchmaking_time=self.cfg.matchmaking_time,
+            request_timeout=self.cfg.request_timeout,
+            allreduce_timeout=self.cfg.allreduce_timeout,
+            next_chunk_timeout=self.cfg.next_chunk_timeout,
+            state_compression=NoCompression(),
+            allow_state_sharing=True,
+            declare_state_period=10.0,
+            shutdown_timeout=5.0,
+        )
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, sigint)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def set_state_priority(self, version: int) -> None:
+        """Peers that download state try the highest priority first: the newest version."""
+        with self._pipe_lock:
+            self._averager.state_sharing_priority = float(version)
+
+    def average(
+        self,
+        deltas: Sequence[torch.Tensor],
+        weight: float,
+        metadata: dict[str, Any],
+        version: int,
+        fragment: int = 0,
+        grace: float | None = None,
+    ) -> AverageResult:
+        """Average one fragment's ``deltas`` with a group at (fragment, version).
+
+        ``grace``: how long the leader may wait for groupmates beyond the quorum (at least the
+        configured matchmaking time, hivemind's own minimum).
+        """
+        assert self.fragments is not None  # set in __post_init__
+        indices = self.fragments[fragment]
+        with self._lock:
+            with self._averager.get_tensors() as buffers:
+                for i, d in zip(indices, deltas, strict=True):
+                    buffers[i].copy_(d)
+            scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
+            timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
+            with self._pipe_lock:
+                self._averager.set_group_bits(group_bits(fragment, version))
+                control = self._averager.step(
+                    weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
+                    scheduled_time=scheduled, wait=False,
+                    # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
+                    # group bits and could pair us with learners at other versions: one attempt per round.
+                    allow_retries=False,
+                )
+            self._watch_for_newer_version(control, fragment, version + 1)
+            try:
+                result = control.result()
+            except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
+                # A cancelled step's future is done at once, but its coroutine in the averager may still
+                # be matchmaking; the next round's step would then share the matchmaker with it (seen in
+                # a 2 Mbit/s benchmark run: a group of fragment 0 with a member gathering fragment 1).
+                # Let it end first.
+                _wait_until_finished(control, self.cfg.request_timeout + self.cfg.matchmaking_time)
+                if control.cancelled() and self._superseded_by is not None:
+                    raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
+                raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
+            if not result:
+                raise RoundFailed("no group formed within the round window")
+            with self._averager.get_tensors() as buffers:
+                averaged = [buffers[i].clone() for i in indices]
+        if self.faults is not None:
+            self.faults.fire("commit", version + 1)
+        groupmates = {str(peer): data for peer, data in result["gathered"].items()}
+        stats = result.get("stats", {})
+        return AverageResult(
+            deltas=averaged,
+            groupmates=groupmates,
+            allreduce_seconds=float(stats.get("seconds", 0.0)),
+            bytes_sent=int(stats.get("bytes_sent", 0)),
+        )
+
+    def searching_peers(self, fragment: int, version: int) -> int:
+        """How many other peers are looking for a group at (``fragment``, ``version``) right now.
+
+        Read from the DHT entries that hivemind's matchmaking declares under the group key while it
+        searches (value True until the group forms or the search expires). Entries are peers' input:
+        anything malformed is skipped.
+        """
+        found = self.dht.get(group_key(self.prefix, fragment, version), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return 0
+        ours, now, count = self.dht.peer_id.to_bytes(), get_dht_time(), 0
+        for subkey, entry in found.value.items():
+            looking = getattr(entry, "value", None)
+            expiration = getattr(entry, "expiration_time", 0.0)
+            if subkey != ours and looking is True and isinstance(expiration, int | float) and expiration > now:
+                count += 1
+        return count
+
+    def _watch_for_newer_version(self, control, fragment: int, next_version: int) -> None:
+        """Cancel matchmaking if the swarm already reached ``next_version``; never once all-reduce began."""
+        self._superseded_by = None
+        version = next_version - 1
+        while not control.done():
+            try:
+                control.result(timeout=self.poll_seconds)
+            except TimeoutError:
+                pass
+            except Exception:  # noqa: BLE001 - the failure itself is reported by the caller
+                return
+            if control.done() or control.began_allreduce:
+                return
+            if self.faults:
+                self.faults.fire("matchmaking", next_version)
+            if self.should_stop():
+                control.cancel()
+                return
+            if self.newest_version is None:
+                continue
+            newest = self.newest_version(fragment)
+            if newest > version and not control.began_allreduce and control.cancel():
+                self._superseded_by = newest
+                return
+
+    def download_state(self, timeout: float) -> Served | None:
+        """Newest global state from the peers that serve it (highest version first), or None."""
+        with self._pipe_lock:
+            future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
+        return self._await_download(future, timeout)
+
+    def download_state_from(
+        self, peer: str, timeout: float, fragments: Sequence[int] | None = None
+    ) -> Served | None:
+        """The global state served by one given peer (only ``fragments``' tensors if given), or None."""
+        with self._pipe_lock:
+            future = self._averager.load_state_from_peer(peer, timeout, fragments)
+        return self._await_download(future, timeout)
+
+    def _await_download(self, future, timeout: float):
+        try:
+            # hivemind's own timeout is per chunk; bound the whole download here.
+            loaded = future.result(timeout=timeout * 4)
+        except Exception as e:  # noqa: BLE001 - a slow or broken peer must not end the learner
+            logger.warning(f"state download failed: {type(e).__name__}: {e}")
+            future.cancel()
+            return None
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        return metadata, list(tensors)
+
+    def shutdown(self) -> None:
+        try:
+            self._averager.shutdown()
+        except Exception as e:  # noqa: BLE001 - shutdown must not mask the caller's own exit path
+            logger.debug(f"averager shutdown: {e!r}")
+
+
+class _FailedStepToDebug(logging.Filter):
+    """Demote hivemind's traceback of a failed averaging step (``DecentralizedAverager._step``) to DEBUG;
+    "could not find a group" is dropped altogether. Other errors get through as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "could not find a group" in record.getMessage():
+            return False
+        if record.levelno >= logging.ERROR and record.exc_info and record.funcName == "_step":
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def _wait_until_finished(control, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_bits(fragment: int, version: int) -> str:
+    """Group-key bits naming (fragment, version): a 16-bit fragment field, then the version."""
+    return format(fragment, "016b") + format(version, "b")
+
+
+def group_key(prefix: str, fragment: int, version: int) -> str:
+    """The DHT key under which hivemind's matchmaking declares searches at (fragment, version)."""
+    return f"{prefix}.0b{group_bits(fragment, version)}"

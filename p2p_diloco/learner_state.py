@@ -1,0 +1,114 @@
+"""What a learner holds, shared by its parts: the global state per fragment, the local parameters,
+the counters, and the exactly-once ledger of outer gradients sent to rounds it did not see end.
+
+This module sits at the bottom of the learner: rounds, catch-up, parting and progress records all
+read and change a :class:`LearnerState`, and none of them imports another's module to do so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.fragments import Fragment
+from p2p_diloco.outer import GlobalState
+from p2p_diloco.served import ServedState, whole_sha256
+
+
+@dataclass
+class Counters:
+    """Totals reported in the summary and saved in every checkpoint (``vars(counters)``)."""
+
+    inner_steps: int = 0
+    tokens: int = 0
+    outer_steps: int = 0  # fragment rounds this learner committed
+    steps_merged: float = 0.0  # inner steps whose progress entered the global model (counted per fragment round / P)
+    rounds_failed: int = 0
+    syncs: int = 0
+    merges: int = 0  # sibling lineages (split brain) this learner merged
+    bytes_sent: int = 0
+    compute_seconds: float = 0.0  # wall time inside inner steps
+    wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
+    download_seconds: float = 0.0  # wall time of background state downloads (inner steps went on)
+    # rounds this learner did not see commit whose contributors list showed its outer gradient in Θ
+    contributions_confirmed: int = 0
+    train_seconds: float = 0.0  # wall time of the training loop (inner steps, rounds, evals, checkpoints)
+    first_eval_loss: float | None = None
+    # per fragment, since that fragment's last committed round:
+    tokens_since_merge: list[int] = field(default_factory=list)
+    steps_since_merge: list[int] = field(default_factory=list)
+    missed_versions: list[int] = field(default_factory=list)
+
+    def resize(self, fragments: int) -> None:
+        self.tokens_since_merge = [0] * fragments
+        self.steps_since_merge = [0] * fragments
+        self.missed_versions = [0] * fragments
+
+    def merged(self, fragment: int, tokens: int, steps: int, fragments: int) -> None:
+        """``steps`` inner steps (``tokens`` tokens) of ours on ``fragment`` entered the global state."""
+        self.tokens_since_merge[fragment] = max(0, self.tokens_since_merge[fragment] - tokens)
+        self.steps_since_merge[fragment] = max(0, self.steps_since_merge[fragment] - steps)
+        self.steps_merged += steps / fragments
+
+
+@dataclass
+class Unconfirmed:
+    """An outer gradient this learner may have given to a round it did not see commit.
+
+    The round started from ``version`` of the fragment with the learner at ``snapshot``. If the
+    swarm's state for ``version + 1`` lists this learner among its contributors, the progress up to
+    ``snapshot`` is in Θ already and must not be contributed again (docs/resilience.md).
+    """
+
+    version: int
+    snapshot: list[torch.Tensor]
+    tokens: int
+    steps: int
+
+
+@dataclass
+class LearnerState:
+    """The model as one learner holds it: P fragments, each with its global state Θ_f (shared with
+    the swarm, bit-identical among learners at the same version) and its local parameters θ_f."""
+
+    fragments: list[Fragment]
+    states: list[GlobalState]
+    params: Sequence[torch.Tensor]  # the local model's parameters, in module order
+    counters: Counters = field(default_factory=Counters)
+    unconfirmed: dict[int, Unconfirmed] = field(default_factory=dict)  # fragment → outer gradient in limbo
+    served: ServedState = field(default_factory=ServedState)
+    peer_id: str = ""
+
+    @property
+    def version(self) -> int:
+        """The oldest fragment's version: the learner's round number."""
+        return min((s.version for s in self.states), default=0)
+
+    def local(self, fragment: Fragment) -> list[torch.Tensor]:
+        """θ_f: the local parameters of one fragment (views, trained in place)."""
+        return [self.params[i] for i in fragment.tensor_indices]
+
+    def whole_sha256(self) -> str:
+        return whole_sha256(self.states)
+
+    def global_params(self) -> list[torch.Tensor]:
+        """Θ in module order, assembled from the fragments (the tensors themselves, not copies)."""
+        out: list[torch.Tensor] = list(self.params)
+        for frag, state in zip(self.fragments, self.states, strict=True):
+            for i, t in zip(frag.tensor_indices, state.params, strict=True):
+                out[i] = t
+        return out
+
+    def refresh_served(self) -> None:
+        self.served.refresh(self.states)
+
+    def pending_for_checkpoint(self, extra: dict[int, Unconfirmed]) -> list[dict]:
+        """The ledger as saved in a checkpoint, plus ``extra`` (a round in flight: unknown outcome)."""
+        return [{"fragment": f, **vars(u)} for f, u in {**self.unconfirmed, **extra}.items()]
+
+
+def same_or_behind(ours: GlobalState, theirs: GlobalState) -> bool:
+    """``theirs`` is our state or one of its ancestors: nothing to take."""
+    return theirs.sha256() == ours.sha256() or ours.descends_from(theirs.version, theirs.sha256())

@@ -1,0 +1,339 @@
+"""Fragment rounds on the learner's side: which fragments are due, starting a round (in the
+background while inner steps go on, or here), applying its result under ``sync.apply_policy`` when
+it is due, training on without a round that outlives its budget, and re-joining the swarm's phase.
+
+One outer round itself (Δ, all-reduce, checks, outer step) is :class:`~p2p_diloco.round.OuterRound`;
+the schedules are in :mod:`p2p_diloco.fragments`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.averaging import Averaging
+from p2p_diloco.catch_up import CatchUp
+from p2p_diloco.config import LearnerConfig
+from p2p_diloco.fragments import ClockSchedule, Fragment, due_fragments
+from p2p_diloco.grace import GraceWindow
+from p2p_diloco.learner_state import LearnerState, Unconfirmed
+from p2p_diloco.merging import token_weight
+from p2p_diloco.outer import GlobalState, OuterOptimizer, apply_result
+from p2p_diloco.progress import Progress
+from p2p_diloco.round import OuterRound, RoundOutcome, Stage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A fragment round running (or run) on its own copy of the fragment's state."""
+
+    fragment: Fragment
+    apply_at: int  # the inner step at which its result is due (τ steps after it started)
+    snapshot: list[torch.Tensor]  # θ_f when the round started (for the mix policy)
+    tokens: int
+    steps: int
+    window: float
+    state: GlobalState  # the round's own copy of the fragment's state; it becomes ours if committed
+    thread: threading.Thread | None = None
+    outcome: RoundOutcome | None = None
+
+    def unconfirmed(self, version: int) -> Unconfirmed:
+        """What this round sent, started from ``version``, until we know whether it was committed."""
+        return Unconfirmed(version, self.snapshot, self.tokens, self.steps)
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+@dataclass
+class Rounds:
+    """The learner's fragment rounds. At most one round is in flight (``inflight``), plus at most one
+    that outlived its wait and runs on detached (``detached``)."""
+
+    cfg: LearnerConfig
+    state: LearnerState
+    averaging: Averaging
+    outer_opt: OuterOptimizer
+    grace: GraceWindow
+    clock: ClockSchedule | None
+    catch_up: CatchUp
+    progress: Progress
+    on_commit: Callable[[], None]  # after a commit is applied (the learner checkpoints)
+    inflight: InFlight | None = None
+    detached: InFlight | None = None  # a round we stopped waiting for at τ; still running
+    last_outcome: RoundOutcome | None = None
+    pending: dict[int, float] = field(default_factory=dict)  # fragment → deadline (monotonic) of a slot
+    # Steps schedule: added to the step counter to find due fragments; moved when we re-join the
+    # swarm's rounds after losing phase with it (see rephase).
+    phase_shift: int = 0
+    out_of_phase: bool = False  # the last round on the steps schedule ended without a commit
+    next_phase_look: float = 0.0  # monotonic time of the next DHT look for the others' rounds
+
+    def tick(self) -> None:
+        """After each inner step: apply a due result, adopt downloads, start the rounds that are due."""
+        if self.inflight is not None and self.state.counters.inner_steps >= self.inflight.apply_at:
+            self.finish()
+        self.catch_up.poll(busy=self.inflight.fragment.index if self.inflight is not None else None)
+        self.poll_detached()
+        self.sync_due_fragments()
+
+    def drain(self) -> None:
+        """The training loop has ended: apply the round in flight, wait (bounded) for a late one."""
+        if self.inflight is not None:
+            self.finish()
+        if self.detached is not None and self.detached.thread is not None:
+            self.detached.thread.join(timeout=self.cfg.averaging.round_timeout)
+            self.poll_detached()
+        self.catch_up.finish()
+
+    def start(self, frag: Fragment, background: bool | None = None) -> None:
+        """Start fragment ``frag``'s round: in the background when τ > 0 (applied at ``apply_at``),
+        else (or with ``background=False``) here, applying its result before returning."""
+        cfg, c, f = self.cfg, self.state.counters, frag.index
+        if background is None:
+            background = cfg.sync.overlap_steps > 0
+        window = self.grace.choose()
+        task = InFlight(
+            fragment=frag, apply_at=c.inner_steps + cfg.sync.overlap_steps,
+            snapshot=[p.detach().clone() for p in self.state.local(frag)], tokens=c.tokens_since_merge[f],
+            steps=c.steps_since_merge[f], window=window, state=self.state.states[f].copy(),
+        )
+        # The round works on a copy: the training thread reads and checkpoints the states while it
+        # runs, and must never see a fragment half-way through the outer step.
+        rnd = OuterRound(
+            state=task.state, optimizer=self.outer_opt, averaging=self.averaging, local_params=task.snapshot,
+            tokens=task.tokens, inner_steps=task.steps, max_delta_norm=cfg.averaging.max_delta_norm,
+            weight=token_weight(task.tokens, task.steps, c.missed_versions[f], cfg.sync.weighting),
+            fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window,
+        )
+
+        def run() -> None:
+            task.outcome = rnd.run()  # never raises: failures are outcomes (round.py)
+
+        self.inflight = task
+        if background:
+            task.thread = threading.Thread(target=run, daemon=True, name=f"round-fragment-{f}")
+            task.thread.start()
+            return
+        waited = time.perf_counter()
+        run()
+        c.wait_seconds += time.perf_counter() - waited
+        self.finish()
+
+    def finish(self) -> RoundOutcome | None:
+        """Join the round in flight (blocking if it is late, up to ``sync.max_wait_seconds``) and apply
+        its result locally. Returns None when it is still running after that: see :meth:`_detach`."""
+        task, c = self.inflight, self.state.counters
+        if task is None:
+            return None
+        if task.thread is not None:
+            waited = time.perf_counter()
+            task.thread.join(timeout=self.cfg.sync.max_wait_seconds)
+            c.wait_seconds += time.perf_counter() - waited
+            if task.thread.is_alive():
+                self._detach(task, time.perf_counter() - waited)
+                return None
+        self.inflight = None
+        out, f = _outcome(task), task.fragment.index
+        self.last_outcome = out
+        c.bytes_sent += out.bytes_sent
+        self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
+        if out.committed:
+            self._apply(task)
+        else:
+            self._failed()
+            self.progress.stale = True  # the swarm may have moved on: the next catch-up looks it up afresh
+            if task.tokens > 0:
+                # Our outer gradient may have reached reducers whose group committed without us.
+                self.state.unconfirmed[f] = task.unconfirmed(self.state.states[f].version)
+        status = "committed" if out.committed else f"not committed ({out.reason}); local progress kept"
+        logger.log(
+            logging.INFO if out.committed else logging.WARNING,
+            f"outer round {status} | version {self.state.states[f].version} fragment {f}/{len(self.state.fragments)} "
+            f"group {out.group_size} window {task.window:.2f}s allreduce {out.allreduce_seconds:.2f}s "
+            f"round {out.round_seconds:.2f}s sent {out.bytes_sent / 1e6:.3f} MB"
+        )
+        return out
+
+    def _apply(self, task: InFlight) -> None:
+        """A committed round's result becomes ours, on time or late: the one door for a round's result."""
+        f, c = task.fragment.index, self.state.counters
+        self.state.states[f] = task.state
+        self.state.unconfirmed.pop(f, None)
+        apply_result(self.state.local(task.fragment), task.state.params, task.snapshot, self.cfg.sync.apply_policy)
+        c.outer_steps += 1
+        # Tokens taken during the overlap were not part of this round; they count for the next one.
+        c.merged(f, task.tokens, task.steps, len(self.state.fragments))
+        c.missed_versions[f] = 0
+        self.out_of_phase = False
+        self.state.refresh_served()
+        self.averaging.set_state_priority(self.state.version)
+        if self.cfg.run.checkpoint_on_commit:
+            self.on_commit()
+
+    def _failed(self) -> None:
+        self.state.counters.rounds_failed += 1
+        self.out_of_phase = True
+
+    def _detach(self, task: InFlight, waited: float) -> None:
+        """Train on without a round that outlived ``sync.max_wait_seconds`` past τ (a groupmate died
+        mid-round, say, and hivemind's all-reduce timeout has not fired yet).
+
+        The round keeps running on its own copy of the fragment's state. If it commits, its result is
+        applied when it ends (:meth:`poll_detached`); if it fails, our outer gradient waits for a
+        later round. Until then it is unconfirmed, so that if the others commit it while we learn of
+        it only from their state, it is not contributed twice (docs/resilience.md).
+        """
+        f = task.fragment.index
+        self.inflight, self.detached = None, task
+        self.state.unconfirmed[f] = task.unconfirmed(self.state.states[f].version)
+        logger.warning(f"fragment {f}: round still running after waiting {waited:.1f} s at τ; training on (its "
+                       "result is applied if it commits)")
+
+    def poll_detached(self) -> None:
+        """Take the result of a detached round once it has ended."""
+        task = self.detached
+        if task is None or task.running():
+            return
+        self.detached = None
+        out, f = _outcome(task), task.fragment.index
+        self.state.counters.bytes_sent += out.bytes_sent
+        if not out.committed:
+            self._failed()
+            logger.info(f"fragment {f}: the round we stopped waiting for ended without a commit ({out.reason}); "
+                        "local progress kept")
+            return
+        logger.info(f"fragment {f}: the round we stopped waiting for committed version {task.state.version}")
+        ours = self.state.states[f]
+        if task.state.descends_from(ours.version, ours.sha256()) and task.state.version == ours.version + 1:
+            self._apply(task)  # nothing else changed the fragment meanwhile: as if it had been on time
+            return
+        if self.catch_up.downloading(f):
+            return  # a newer state of it is on the way; this one is adopted (or superseded) with it
+        # A download moved the fragment meanwhile: the result comes in like any peer's state.
+        self.state.counters.outer_steps += 1
+        self.out_of_phase = False
+        if f in self.catch_up.adopt({f: task.state}):
+            self.state.counters.missed_versions[f] = 0  # our own round, not a version we missed
+
+    def due(self) -> list[Fragment]:
+        if self.clock is not None:
+            return self.clock.due(get_dht_time())
+        return due_fragments(self.state.fragments, self.state.counters.inner_steps + self.phase_shift,
+                             self.cfg.inner.steps_per_outer)
+
+    def at_target(self, fragment: int) -> bool:
+        target = self.cfg.run.max_outer_steps
+        return target is not None and self.state.states[fragment].version >= target
+
+    def rephase(self) -> None:
+        """Steps schedule: after a round without a commit, join a round the others are forming now.
+
+        One asymmetric round can put two learners' step counters a whole search apart for good
+        (docs/design.md, "Re-phasing on the steps schedule"). So while our last round failed, and no
+        round of ours runs, we look in the DHT (at most once per matchmaking time) for peers looking
+        for a group at a fragment and version we hold; if there are some, we move our schedule so
+        that this fragment is due now. Only the learner whose round failed moves, into a search
+        already under way: nobody waits longer than one search.
+        """
+        if self.clock is not None or not self.out_of_phase or self.inflight is not None or self.detached is not None:
+            return
+        now = time.monotonic()
+        if now < self.next_phase_look:
+            return
+        self.next_phase_look = now + self.cfg.averaging.matchmaking_time
+        h, steps = self.cfg.inner.steps_per_outer, self.state.counters.inner_steps
+        for frag in self.state.fragments:
+            if frag.index in self.pending or self.at_target(frag.index):
+                continue
+            try:
+                others = self.averaging.searching_peers(frag.index, self.state.states[frag.index].version)
+            except Exception as e:  # noqa: BLE001 - a failed DHT look is a missed chance, not an error
+                logger.debug(f"could not look for the others' rounds: {type(e).__name__}: {e}")
+                return
+            if others:
+                shift = (frag.offset - steps) % h
+                logger.info(f"out of phase with the swarm: joining the round of fragment {frag.index} that "
+                            f"{others} other learner(s) are forming (schedule moved by {shift} of {h} steps)")
+                self.phase_shift = shift
+                self.pending[frag.index] = float("inf")
+                return
+
+    def sync_due_fragments(self) -> None:
+        """Open the slots of the fragments due now and start each round whose slot is open."""
+        now = time.monotonic()
+        self.rephase()
+        for frag in self.due():
+            # On the clock schedule a slot stays open while the group forms (matchmaking time): a
+            # learner whose previous round is about to end still joins. On the steps schedule the
+            # slot waits for the previous round (the overlap budget ran out).
+            patience = self.cfg.averaging.matchmaking_time if self.clock is not None else float("inf")
+            self.pending[frag.index] = now + patience
+        for f in list(self.pending):
+            if self.inflight is not None:
+                if not self.inflight.running() or self.clock is None:
+                    self.finish()  # its result is ready (or the overlap budget ran out): apply it now
+                elif now < self.pending[f]:
+                    continue  # keep training; look again after the next inner step
+                else:
+                    del self.pending[f]
+                    # The fragment's progress waits for its next slot.
+                    logger.info(f"skipped fragment {f}'s slot: fragment {self.inflight.fragment.index}'s "
+                                "round is still in flight")
+                    continue
+            del self.pending[f]
+            self._open_slot(self.state.fragments[f])
+
+    def _open_slot(self, frag: Fragment) -> None:
+        f = frag.index
+        if self.detached is not None:
+            # The averager is still busy with the round we stopped waiting for: a round now would
+            # only queue behind it. This fragment's progress waits for its next slot.
+            logger.info(f"skipped fragment {f}'s slot: fragment {self.detached.fragment.index}'s late round is "
+                        "still running")
+            return
+        background = self.cfg.sync.overlap_steps > 0
+        self.catch_up.start(background=background)
+        if self.catch_up.downloading(f):
+            # The swarm committed this fragment without us. Skipping this round (rather than
+            # waiting alone for a group) keeps us in phase: on the steps schedule the swarm's next
+            # round of it is about H steps away, as is ours. Our progress stays in θ and counts
+            # next time.
+            logger.info(f"fragment {f}: its newer state is on the way; contributing at its next slot")
+            return
+        if self.at_target(f):
+            return
+        self.start(frag)
+        if not background and self.last_outcome is not None and self.last_outcome.superseded:
+            # We were late for the swarm's round: take its newer Θ (our steps are rebased onto it)
+            # and join the next round right away, so we fall back into step with the others.
+            self.catch_up.start()
+            if not self.at_target(f):
+                self.start(frag)
+
+    def in_limbo(self) -> dict[int, Unconfirmed]:
+        """The round in flight's outer gradient, whose outcome is unknown until it is applied."""
+        task = self.inflight
+        if task is None:
+            return {}
+        f = task.fragment.index
+        return {f: task.unconfirmed(self.state.states[f].version)}
+
+    def join_threads(self) -> None:
+        for task in (self.inflight, self.detached):
+            if task is not None and task.thread is not None:
+                task.thread.join(timeout=self.cfg.averaging.round_timeout + 5)
+
+
+def _outcome(task: InFlight) -> RoundOutcome:
+    if task.outcome is None:  # the round thread died without an outcome (it latches its errors)
+        return RoundOutcome(stage=Stage.FAILED, reason="the round ended without an outcome")
+    return task.outcome

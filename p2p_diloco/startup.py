@@ -1,0 +1,253 @@
+"""Start-up of a learner: checkpoint directory, DHT, lineage id, data, model, restore, averager.
+
+The DHT's process (and its p2pd) boots and joins the swarm while this process reads its data and
+builds the model and optimizer: a restart pays the longer of the two, not both. Whatever was started
+before a failure is shut down again before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from p2p_diloco import STARTED, peer_log
+from p2p_diloco.catch_up import CatchUp
+from p2p_diloco.checkpoint import CheckpointError, CheckpointWriter, claim_checkpoint_dir, load_checkpoint
+from p2p_diloco.config import LearnerConfig
+from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
+from p2p_diloco.errors import LearnerError
+from p2p_diloco.faults import FaultPlan
+from p2p_diloco.fragments import ClockSchedule, build_fragments
+from p2p_diloco.grace import GraceWindow
+from p2p_diloco.hivemind_averaging import HivemindAveraging
+from p2p_diloco.inner_optim import AdamW
+from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
+from p2p_diloco.lifecycle import LinkedDHT, start_dht
+from p2p_diloco.lr_schedule import SchedulePosition
+from p2p_diloco.model import build_model
+from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError
+from p2p_diloco.parting import Leaving
+from p2p_diloco.progress import Progress
+from p2p_diloco.records import ProgressBoard
+from p2p_diloco.rounds import Rounds
+from p2p_diloco.served import parameter_indices
+
+logger = logging.getLogger(__name__)
+
+
+def lineage_id(cfg: LearnerConfig) -> str:
+    """Hash of the settings that must agree for two learners to share one lineage of the model.
+
+    Learners whose settings differ (model, seed, outer optimizer, fragments, codecs, merging rules)
+    would produce different states from the same round; they use different DHT keys and never meet.
+    """
+    keys = {
+        "model": cfg.model.model_dump(), "outer": cfg.outer.model_dump(), "seed": cfg.run.seed,
+        "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
+        "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
+        "steps_per_outer": cfg.inner.steps_per_outer, "schedule": cfg.sync.schedule,
+        "period": cfg.sync.period_seconds if cfg.sync.schedule == "clock" else None,
+    }
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:8]
+
+
+@dataclass
+class LocalData:
+    shard: int
+    sampler: BatchSampler
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Trainer:
+    """What inner steps need: the local model, its optimizer and the lr schedule's position."""
+
+    model: torch.nn.Module
+    inner_opt: AdamW
+    lr_position: SchedulePosition
+
+
+@dataclass
+class Parts:
+    """Everything a running learner is made of, built by :func:`set_up`; :meth:`close` shuts it down."""
+
+    ckpt_dir: Path
+    dht: LinkedDHT
+    lineage: str
+    data: LocalData
+    trainer: Trainer
+    state: LearnerState
+    progress: Progress
+    averaging: HivemindAveraging
+    catch_up: CatchUp
+    rounds: Rounds
+    writer: CheckpointWriter
+    closer: contextlib.ExitStack
+
+    def close(self) -> None:
+        self.closer.close()
+
+
+def load_data(cfg: LearnerConfig, shard: int) -> LocalData:
+    splits = load_splits(cfg.data, [shard, None])
+    train, evaluation = splits[shard], splits[None]
+    if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
+        raise DataError(f"data shard or eval split is shorter than model.seq_len ({cfg.model.seq_len})")
+    logger.info(f"shard {shard} holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
+    sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard)
+    return LocalData(shard, sampler,
+                     fixed_eval_batches(evaluation, cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches))
+
+
+def build(cfg: LearnerConfig) -> tuple[Trainer, LearnerState]:
+    """Model, fragments, global state and inner optimizer, from the config alone: no network."""
+    model = build_model(cfg.model, cfg.run.seed)
+    params = list(model.parameters())
+    try:
+        fragments = build_fragments([(n, p.shape) for n, p in model.named_parameters()], cfg.sync.fragments,
+                                    cfg.inner.steps_per_outer)
+    except ValueError as e:
+        raise LearnerError(f"sync.fragments: {e}") from None
+    whole = GlobalState.from_module(model)
+    states = [GlobalState(params=[whole.params[i] for i in f.tensor_indices],
+                          momentum=[whole.momentum[i] for i in f.tensor_indices]) for f in fragments]
+    for s in states:
+        s.remember()
+    state = LearnerState(fragments=fragments, states=states, params=params)
+    state.counters.resize(len(fragments))
+    inner_opt = AdamW(  # torch.optim.AdamW's arithmetic, without its 2-4 s import (inner_optim.py)
+        params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, betas=(cfg.inner.beta1, cfg.inner.beta2),
+    )
+    return Trainer(model, inner_opt, SchedulePosition(cfg.inner.steps_per_outer)), state
+
+
+def check_compatible(cfg: LearnerConfig, payload: dict[str, Any], where: Path) -> None:
+    saved = payload["config"]
+    if saved["model"] != cfg.model.model_dump() or saved.get("sync", {}).get("fragments", 1) != cfg.sync.fragments:
+        raise LearnerError(f"checkpoint in {where} was made with a different model or fragments")
+
+
+def restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, where: Path) -> int:
+    """Load a checkpoint into the freshly built parts; returns the sampler cursor to apply."""
+    try:
+        state.states = [GlobalState.from_dict(g) for g in payload["global"]]
+    except StateFormatError as e:
+        raise CheckpointError(f"checkpoint in {where}: bad global state ({e})") from None
+    trainer.model.load_state_dict(payload["model"])
+    trainer.inner_opt.load_state_dict(payload["inner_opt"])
+    state.counters = Counters(**payload["counters"])
+    if "lr_position" in payload:  # checkpoints before it restart at version · H
+        try:
+            trainer.lr_position.load(payload["lr_position"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint in {where}: bad lr_position ({e})") from None
+    # We may have died in a round after sending our outer gradient, and the others may have
+    # committed it. A round in flight or unconfirmed at the checkpoint is saved with its
+    # snapshot; any other fragment's progress in the checkpoint is all it could have sent.
+    saved = {int(u["fragment"]): u for u in payload.get("unconfirmed", [])}
+    c = state.counters
+    for frag in state.fragments:
+        f = frag.index
+        if f in saved:
+            u = saved[f]
+            state.unconfirmed[f] = Unconfirmed(int(u["version"]), list(u["snapshot"]), int(u["tokens"]),
+                                               int(u["steps"]))
+        elif c.tokens_since_merge[f] > 0:
+            snapshot = [p.detach().clone() for p in state.local(frag)]
+            state.unconfirmed[f] = Unconfirmed(state.states[f].version, snapshot, c.tokens_since_merge[f],
+                                               c.steps_since_merge[f])
+    logger.info(f"resumed from {where} at version {state.version}")
+    return int(payload["sampler_cursor"])
+
+
+def set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: Callable[[], None]) -> Parts:
+    """Start every part of a learner; on failure, shut down what was started and raise."""
+    closer = contextlib.ExitStack()
+    try:
+        return _set_up(cfg, faults, leaving, on_commit, closer)
+    except BaseException:
+        closer.close()
+        raise
+
+
+def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: Callable[[], None],
+            closer: contextlib.ExitStack) -> Parts:
+    began = time.monotonic()
+    torch.set_num_threads(cfg.run.threads)
+    ckpt_dir, dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
+    closer.callback(dir_lock.release)
+    payload = load_checkpoint(ckpt_dir) if cfg.run.resume else None
+    if payload is not None:
+        check_compatible(cfg, payload, ckpt_dir)
+    net = cfg.network
+    dht = start_dht(initial_peers=net.initial_peers, host_maddrs=net.host_maddrs,
+                    announce_maddrs=net.announce_maddrs, identity_path=ckpt_dir / "identity.key",
+                    startup_timeout=net.startup_timeout, wait=False)
+    closer.callback(dht.shutdown)
+    local_work = time.monotonic()
+    data = load_data(cfg, cfg.data.shard_index) if cfg.data.shard_index is not None else None
+    trainer, state = build(cfg)
+    cursor = restore(payload, trainer, state, ckpt_dir) if payload is not None else None
+    state.refresh_served()
+    local_work = time.monotonic() - local_work
+    waited = time.monotonic()
+    lineage, progress = _join(cfg, dht, state, payload)
+    waited = time.monotonic() - waited
+    if data is None:
+        data = load_data(cfg, shard_for_peer(dht.peer_id.to_bytes(), cfg.data.num_shards))
+    if cursor is not None:
+        data.sampler.cursor = cursor
+    logger.info(f"checkpoints in {ckpt_dir}; data shard {data.shard}/{cfg.data.num_shards}")
+    logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
+                f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
+    averager = time.monotonic()
+    state.served.on_serve = lambda: faults.fire("serve", state.version)
+    averaging = HivemindAveraging(
+        dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
+        state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
+        fragments=parameter_indices([len(s.params) for s in state.states]),
+        codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults,
+    )
+    closer.callback(averaging.shutdown)
+    averaging.set_state_priority(state.version)
+    # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
+    writer = CheckpointWriter(ckpt_dir)
+    closer.callback(writer.close, timeout=120)  # a snapshot still waiting is written before the lock goes
+    catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving)
+    grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
+                        min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
+    clock = (ClockSchedule(state.fragments, cfg.sync.period_seconds, get_dht_time())
+             if cfg.sync.schedule == "clock" else None)
+    rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit)
+    now = time.monotonic()
+    logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
+                f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
+    return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer)
+
+
+def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState,
+          payload: dict[str, Any] | None) -> tuple[str, Progress]:
+    try:
+        dht.wait_until_ready()
+    except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
+        raise LearnerError(f"could not start or join the DHT ({type(e).__name__}: {e})".strip()) from None
+    state.peer_id = str(dht.peer_id)
+    peer_log.set_peer(state.peer_id[-6:])
+    logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")
+    lineage = f"{cfg.network.run_id}-{lineage_id(cfg)}"
+    logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
+    progress = Progress(ProgressBoard(dht, lineage, cfg.network.record_ttl), state, cfg.network.record_ttl)
+    # Announce ourselves at once, before the download, so that learners finishing the run see a
+    # newcomer behind them and keep serving state until it has caught up.
+    progress.announce(min(g["version"] for g in payload["global"]) if payload is not None else 0)
+    return lineage, progress

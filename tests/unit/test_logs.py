@@ -1,0 +1,54 @@
+"""Logs a user can read: the ``[peer step=N round=R]`` prefix on every project module's lines, and a
+dropped round's hivemind traceback kept at DEBUG."""
+
+import logging
+import sys
+
+import pytest
+
+from p2p_diloco import peer_log
+
+
+@pytest.fixture
+def handler():
+    h = logging.Handler()
+    h.records = []
+    h.emit = h.records.append
+    root = logging.getLogger()
+    root.addHandler(h)
+    yield h
+    root.removeHandler(h)
+    peer_log.set_peer("------")
+    peer_log.set_position(lambda: (0, 0))
+
+
+def test_every_project_module_gets_the_peer_prefix(handler):
+    peer_log.install()
+    peer_log.install()  # idempotent
+    assert sum(isinstance(f, peer_log.PeerPrefix) for f in handler.filters) == 1
+    peer_log.set_peer("abc123")
+    peer_log.set_position(lambda: (42, 7))
+    for name in ("p2p_diloco.rounds", "p2p_diloco.records", "p2p_diloco.allreduce"):
+        logging.getLogger(name).warning("value %d", 5)
+    logging.getLogger("elsewhere").warning("untouched")
+    messages = [r.getMessage() for r in handler.records]
+    assert messages[:3] == ["[abc123 step=42 round=7] value 5"] * 3 and messages[3] == "untouched"
+
+
+def test_a_failed_averaging_step_traceback_goes_to_debug():
+    from p2p_diloco.hivemind_averaging import _FailedStepToDebug
+
+    def record(msg, level=logging.ERROR, func="_step", exc=True):
+        try:
+            raise RuntimeError(msg)
+        except RuntimeError:
+            info = sys.exc_info() if exc else None
+        return logging.LogRecord("hivemind.averaging.averager", level, __file__, 1, msg, None, info, func)
+
+    f = _FailedStepToDebug()
+    assert not f.filter(record("Averaging step failed: could not find a group"))
+    step = record("Unable to run All-Reduce: sender 2 failed")
+    f.filter(step)
+    assert step.levelno == logging.DEBUG
+    other = record("something else", func="rpc_join_group")
+    assert f.filter(other) and other.levelno == logging.ERROR

@@ -71,6 +71,10 @@ class AllOrNothingReducer(TensorPartReducer):
     failure: str | None = None
 
     def on_sender_failed(self, sender_index: int) -> None:
+        """A sender that failed before its last part fails the whole shard: every sender awaiting it gets the error.
+
+        One that had delivered every part is handled as hivemind does.
+        """
         if self.failure is not None or self.finished.is_set():
             return
         received = self.num_parts_received[sender_index]
@@ -84,6 +88,7 @@ class AllOrNothingReducer(TensorPartReducer):
         super().on_sender_failed(sender_index)
 
     async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
+        """hivemind's accumulation, refused with :class:`AllreduceException` once the shard has failed."""
         if self.failure is not None:
             raise AllreduceException(self.failure)
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight)

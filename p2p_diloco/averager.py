@@ -32,7 +32,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
 from p2p_diloco.faults import FaultPlan
-from p2p_diloco.lifecycle import die_with_parent
+from p2p_diloco.lifecycle import die_with_parent, serialize_requests
 from p2p_diloco.served import select_fragments
 
 logger = get_logger(__name__)
@@ -73,6 +73,7 @@ class OuterGradientAverager(DecentralizedAverager):
         self._codecs = list(codecs)
         self._round_stats: dict[bytes, dict[str, float]] = {}
         super().__init__(averaged_tensors, dht, **kwargs)
+        serialize_requests(self)  # the round thread, the training loop and downloads all send requests
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
@@ -233,6 +234,10 @@ class OuterGradientAverager(DecentralizedAverager):
                 future.set_result(None)
 
     def get_current_state(self):
+        """hivemind's state-sharing hook, run on a thread of the learner's process: what peers download.
+
+        ``state_provider``'s (metadata, tensors) with no tensor infos; an empty state when there is no provider.
+        """
         if self._state_provider is None:
             return {}, [], None
         metadata, tensors = self._state_provider()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,6 +28,11 @@ class RoundSuperseded(RoundFailed):
 
 @dataclass
 class AverageResult:
+    """What a successful :meth:`Averaging.average` returns.
+
+    ``deltas``: the group's averaged tensors, in the fragment's order; ``groupmates``: every member's gathered
+    metadata, ours included; ``allreduce_seconds``, ``bytes_sent``: the all-reduce's duration, what we sent.
+    """
     deltas: list[torch.Tensor]
     groupmates: dict[str, dict[str, Any]]  # peer id -> metadata it gathered (version, sha, tokens, ...)
     allreduce_seconds: float
@@ -35,9 +40,11 @@ class AverageResult:
 
     @property
     def group_size(self) -> int:
+        """Number of learners in the group, this one included."""
         return len(self.groupmates)
 
 
+@runtime_checkable
 class Averaging(Protocol):
     """Everything a learner asks of the network besides the DHT's progress records."""
 
@@ -71,4 +78,5 @@ class Averaging(Protocol):
         ...
 
     def shutdown(self) -> None:
+        """Stop averaging and serving state; called once, on the learner's way out."""
         ...

@@ -28,6 +28,11 @@ logger = logging.getLogger("p2p_diloco.bootstrap")
 
 
 class BootstrapConfig(BaseModel):
+    """Settings of a bootstrap node, from a TOML file and CLI flags (:func:`load_bootstrap_config`).
+
+    Unknown keys are refused. ``maddrs_file``: where the node writes its visible multiaddrs, one a line;
+    ``refresh_period``: seconds between two log lines with the routing table's size.
+    """
     model_config = ConfigDict(extra="forbid")
 
     host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"])
@@ -51,10 +56,15 @@ def load_bootstrap_config(path: str | None, overrides: dict[str, Any]) -> Bootst
 
 @dataclass
 class BootstrapNode:
+    """Runs a started DHT node as the swarm's entry point until ``stop`` is set (SIGINT or SIGTERM)."""
     cfg: BootstrapConfig
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def serve(self, dht: LinkedDHT) -> None:
+        """Log the node's multiaddrs (and write them to ``maddrs_file``), then wait for ``stop``; shuts ``dht`` down.
+
+        Installs SIGINT and SIGTERM handlers on the running loop; the file is replaced atomically.
+        """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)

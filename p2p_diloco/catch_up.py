@@ -45,6 +45,10 @@ class Behind:
 
 
 class CatchUp:
+    """Brings the learner's fragments up to the swarm's: finds what it lacks, downloads it, adopts or merges it.
+
+    Used from the training thread; only :meth:`fetch` runs on the background download thread.
+    """
     def __init__(self, cfg: LearnerConfig, state: LearnerState, averaging: Averaging, progress: Progress,
                  should_stop: Callable[[], bool]):
         self.cfg, self.state, self.averaging, self.progress = cfg, state, averaging, progress
@@ -54,6 +58,7 @@ class CatchUp:
         self.swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
 
     def downloading(self, fragment: int) -> bool:
+        """Whether a background download holding ``fragment`` is pending (running, or arrived and not adopted yet)."""
         return self.download is not None and fragment in self.download.fragments
 
     def start(self, background: bool = False) -> list[int]:

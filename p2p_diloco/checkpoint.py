@@ -36,15 +36,17 @@ FORMAT = 2  # bumped when the payload layout changes
 
 
 class CheckpointError(UserError, RuntimeError):
-    pass
+    """A checkpoint directory or file cannot be used, or a write failed; the message is one line."""
 
 
 class DirectoryLock:
+    """An exclusive ``flock`` on ``path/.lock``, held until :meth:`release` or until this process exits."""
     def __init__(self, path: Path):
         self.path = path
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
+        """Create ``path`` if needed and take the lock; False, without waiting, if it is already held."""
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
         try:
@@ -56,6 +58,7 @@ class DirectoryLock:
         return True
 
     def release(self) -> None:
+        """Let go of the lock; a no-op when it is not held."""
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)

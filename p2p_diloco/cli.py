@@ -34,6 +34,7 @@ def _add_network_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``p2p-diloco`` argument parser: ``--log-level`` and the bootstrap, learner, swarm and regions subcommands."""
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,7 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--config", help="peer config, e.g. peers/small-cpu.toml (default: built-in defaults)")
     _add_network_flags(ln)
     ln.add_argument("--run-id", help="swarm name; learners only average with the same run id")
-    ln.add_argument("--data", help="a text file or a directory of text files (default: Python stdlib sources)")
+    ln.add_argument("--data", help="a text file, .jsonl/.json/.parquet/.csv file, or a directory of them "
+                                   "(default: Python stdlib sources)")
+    ln.add_argument("--model", help="a directory with a Hugging Face config.json, with or without weights "
+                                    "(default: the built-in byte-level GPT)")
+    ln.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or a directory with one) or a SentencePiece "
+                                        ".model (default: bytes)")
+    ln.add_argument("--device", help="auto (default), cpu, cuda, cuda:N or mps")
     ln.add_argument("--shard-index", type=int, help="which data shard this learner owns (default: from peer id)")
     ln.add_argument("--num-shards", type=int, help="number of data shards the corpus is split into")
     ln.add_argument("--max-outer-steps", type=int, help="stop once the global version reaches N")
@@ -91,7 +98,8 @@ def _learner_overrides(args: argparse.Namespace) -> list[str]:
     pairs = {
         "network.initial_peers": args.initial_peers, "network.host_maddrs": args.host_maddrs,
         "network.announce_maddrs": args.announce_maddrs, "network.run_id": args.run_id,
-        "data.path": args.data, "data.shard_index": args.shard_index, "data.num_shards": args.num_shards,
+        "data.path": args.data, "model.path": args.model, "data.tokenizer": args.tokenizer,
+        "run.device": args.device, "data.shard_index": args.shard_index, "data.num_shards": args.num_shards,
         "run.max_outer_steps": args.max_outer_steps, "run.checkpoint_dir": args.checkpoint_dir,
         "run.summary": args.summary, "run.seed": args.seed,
     }

@@ -34,12 +34,18 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Byte-level GPT defined in :mod:`p2p_diloco.model`."""
+    """The model: the built-in byte-level GPT (:mod:`p2p_diloco.model`; ``n_layer``, ``n_head``,
+    ``n_embd``), or a Hugging Face causal LM from ``path``. ``seq_len`` is the training context of both."""
 
     n_layer: int = Field(2, ge=1, le=64)
     n_head: int = Field(4, ge=1, le=64)
     n_embd: int = Field(64, ge=8, le=8192)
     seq_len: int = Field(64, ge=8, le=8192)
+    path: str | None = Field(
+        None, description="a directory with a Hugging Face config.json (any causal-LM architecture transformers "
+                          "knows), with or without weights; None = the built-in byte-level GPT")
+    activation_checkpointing: bool = Field(False, description="Hugging Face models: recompute activations in "
+                                                              "the backward pass to save memory")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -62,6 +68,13 @@ class DataConfig(_Section):
     eval_fraction: float = Field(0.02, gt=0.0, lt=0.5)
     eval_batches: int = Field(8, ge=1, le=10_000)
     max_corpus_mb: float = Field(64.0, gt=0.0)
+    tokenizer: str | None = Field(
+        None, description="a Hugging Face tokenizer.json (or a directory with one) or a SentencePiece .model; "
+                          "None = bytes (a vocabulary of 256)")
+    text_field: str = Field("text", min_length=1, description="the text column of .jsonl/.json/.parquet/.csv data")
+    cache_dir: str | None = Field(
+        None, description="where tokenised shards are cached (default: .cache/p2p-diloco under the working "
+                          "directory)")
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> DataConfig:
@@ -78,6 +91,9 @@ class InnerConfig(_Section):
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
     batch_size: int = Field(16, ge=1)
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="gradient accumulation: forward/backward this many sequences at a time "
+                                "(must divide batch_size; None = the whole batch at once)")
     steps_per_outer: int = Field(50, ge=1, description="H: inner steps per outer step")
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
     lr_schedule: Literal["constant", "cosine"] = Field(
@@ -152,6 +168,7 @@ class SyncConfig(_Section):
 
 
 class NetworkConfig(_Section):
+    """How a learner reaches the swarm: its run id (learners only average within one), peers, addresses, timeouts."""
     run_id: str = Field("p2p-diloco", pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     initial_peers: list[str] = Field(default_factory=list)
     host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
@@ -161,6 +178,7 @@ class NetworkConfig(_Section):
 
 
 class RunConfig(_Section):
+    """Run control: seed, when to stop, checkpoints and resume, the summary file, and how to leave."""
     seed: int = 0
     max_outer_steps: int | None = Field(None, ge=1, description="stop once the global version reaches this")
     stop_at_eval_loss: float | None = Field(
@@ -175,6 +193,10 @@ class RunConfig(_Section):
     resume: bool = False
     summary: str | None = None
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads")
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:[0-9]+)?)$",
+                        description="where inner steps run: auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="inner steps' autocast: auto = bf16 on CUDA, fp32 elsewhere; the global state is fp32")
     linger_seconds: float = Field(60.0, ge=0.0, description="after finishing, keep serving state this long")
     drain_seconds: float = Field(
         20.0, ge=0.0, description="on Ctrl+C or SIGTERM, spend up to this long handing the unmerged inner steps to "
@@ -184,6 +206,10 @@ class RunConfig(_Section):
 
 
 class LearnerConfig(_Section):
+    """A learner's whole configuration, one section per concern; saved in every checkpoint.
+
+    Validated across sections too: fragments against H, overlap τ, per-fragment codecs, the lr schedule.
+    """
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
@@ -207,6 +233,9 @@ class LearnerConfig(_Section):
                              f"({h // p})")
         if p == 1 and tau >= h:
             raise ValueError(f"sync.overlap_steps ({tau}) must be below inner.steps_per_outer ({h})")
+        if self.inner.micro_batch_size is not None and self.inner.batch_size % self.inner.micro_batch_size:
+            raise ValueError(f"inner.micro_batch_size ({self.inner.micro_batch_size}) must divide inner.batch_size "
+                             f"({self.inner.batch_size})")
         if self.sync.fragment_compression and len(self.sync.fragment_compression) != p:
             raise ValueError(f"sync.fragment_compression lists {len(self.sync.fragment_compression)} codecs "
                              f"for {p} fragments")
@@ -230,21 +259,23 @@ class LearnerConfig(_Section):
         return None if target is None else target * self.inner.steps_per_outer
 
     def codec_for(self, fragment: int) -> str:
+        """The codec name of ``fragment``: ``sync.fragment_compression[fragment]``, else ``averaging.compression``."""
         return self.sync.fragment_compression[fragment] if self.sync.fragment_compression else \
             self.averaging.compression
 
 
-def config_error(exc: ValidationError, root: str = "config") -> ConfigError:
+def config_error(exc: ValidationError, root: str = "config", source: str | Path | None = None) -> ConfigError:
     """The one-line :class:`ConfigError` for a pydantic validation error: its first problem, by field.
 
-    ``root`` names the whole document when the problem is not tied to one field. Use it as
+    ``root`` names the whole document when the problem is not tied to one field; ``source`` (a file)
+    goes in front when given. Use it as
     ``raise config_error(e) from None`` so that the terminal shows no pydantic traceback.
     """
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or root
     msg = err["msg"].removeprefix("Value error, ")
     extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return ConfigError(f"{where}: {msg}{extra}")
+    return ConfigError(f"{f'{source}: ' if source is not None else ''}{where}: {msg}{extra}")
 
 
 def _parse_scalar(text: str) -> Any:
@@ -273,6 +304,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """The parsed TOML file; a missing, unreadable or malformed file is a one-line :class:`ConfigError`."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -286,6 +318,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def validate_learner_config(data: dict[str, Any]) -> LearnerConfig:
+    """A :class:`LearnerConfig` from nested dicts; the first problem becomes a one-line :class:`ConfigError`."""
     try:
         return LearnerConfig.model_validate(data)
     except ValidationError as e:

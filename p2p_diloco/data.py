@@ -34,6 +34,7 @@ class DataError(UserError, ValueError):
 
 
 def default_corpus_root() -> Path:
+    """The running Python's standard library directory: the corpus when ``data.path`` is None."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -126,6 +127,10 @@ class BatchSampler:
     cursor: int = 0  # batches drawn so far; saved in checkpoints so a resumed learner continues
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, targets) pair, each ``(batch_size, seq_len)`` int64, targets one byte ahead.
+
+        Advances :attr:`cursor`: the batch depends only on (seed, cursor).
+        """
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.cursor)
         self.cursor += 1
         return _windows(self.data, self.seq_len, self.batch_size, g)
@@ -149,4 +154,5 @@ def fixed_eval_batches(
 
 
 def shard_for_peer(peer_id_bytes: bytes, num_shards: int) -> int:
+    """The default shard of a peer: a hash of its peer ID bytes modulo ``num_shards``."""
     return int.from_bytes(hashlib.sha256(peer_id_bytes).digest()[:8], "big") % num_shards

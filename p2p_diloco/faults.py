@@ -50,11 +50,12 @@ _LINE = re.compile(
 
 
 class FaultPlanError(ValueError):
-    pass
+    """A fault line that does not follow the module's grammar; the CLI reports it as a configuration error."""
 
 
 @dataclass(frozen=True)
 class Fault:
+    """One scripted failure: ``action`` at ``round`` during ``stage``; ``seconds``: how long a hang or drop lasts."""
     action: str
     round: int
     stage: str
@@ -63,11 +64,19 @@ class Fault:
 
 @dataclass
 class FaultPlan:
+    """A learner's scripted faults, each carried out at most once.
+
+    An empty plan is falsy and :meth:`fire` on it does nothing, so code may call it unconditionally.
+    """
     faults: list[Fault] = field(default_factory=list)
     _fired: set[int] = field(default_factory=set, repr=False)
 
     @classmethod
     def parse(cls, text: str | None) -> FaultPlan:
+        """The plan in ``text`` (one fault a line or ``;``-separated; None or blank: no fault).
+
+        Raises :class:`FaultPlanError` naming the first bad line (grammar, stage, hang or drop without duration).
+        """
         faults = []
         for line in (text or "").replace(";", "\n").splitlines():
             if not line.strip():

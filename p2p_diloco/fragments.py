@@ -28,6 +28,9 @@ import torch
 
 @dataclass(frozen=True)
 class Fragment:
+    """One fragment: the parameter tensors it owns (indices in module order), their element count, and its
+    sync offset within H. ``has_embedding``: one of its parameter names contains ``emb``.
+    """
     index: int
     tensor_indices: tuple[int, ...]
     numel: int
@@ -55,6 +58,14 @@ def partition(shapes: Sequence[torch.Size], num_fragments: int) -> list[list[int
 def build_fragments(
     named_shapes: Sequence[tuple[str, torch.Size]], num_fragments: int, steps_per_outer: int
 ) -> list[Fragment]:
+    """Split named parameter shapes into ``num_fragments`` balanced fragments (:func:`partition`), offsets spread
+    evenly over ``steps_per_outer``. The same shapes give the same fragments on every learner.
+
+    >>> shapes = [("tok_emb.weight", torch.Size([256, 64])), ("ln.weight", torch.Size([64])),
+    ...           ("head.weight", torch.Size([256, 64]))]
+    >>> [(f.tensor_indices, f.numel, f.offset, f.has_embedding) for f in build_fragments(shapes, 2, 50)]
+    [((0, 1), 16448, 0, True), ((2,), 16384, 25, False)]
+    """
     bins = partition([s for _, s in named_shapes], num_fragments)
     fragments = []
     for f, indices in enumerate(bins):
@@ -94,6 +105,7 @@ class ClockSchedule:
         return (self._slot(fragment, now) + 1) * self.period + fragment.index * self.period / len(self.fragments)
 
     def due(self, now: float) -> list[Fragment]:
+        """The fragments whose next slot has opened by ``now`` (DHT time); each slot is returned once."""
         out = []
         for f in self.fragments:
             slot = self._slot(f, now)

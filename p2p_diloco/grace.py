@@ -20,6 +20,10 @@ from dataclasses import dataclass
 
 @dataclass
 class GraceWindow:
+    """The grace formula of the module docstring, fed with this learner's own measurements; all times in seconds.
+
+    t_step, t_quorum and t_sync are exponential moving averages (weight ``smoothing`` for the newest value).
+    """
     overlap_steps: int
     gamma: float
     floor: float
@@ -33,6 +37,7 @@ class GraceWindow:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def observe_step(self, seconds: float) -> None:
+        """Fold the duration of one inner step (seconds) into t_step."""
         self.t_step = self._ema(self.t_step, seconds)
 
     def observe_round(self, round_seconds: float, allreduce_seconds: float, window: float) -> None:
@@ -42,7 +47,9 @@ class GraceWindow:
 
     @property
     def slack(self) -> float:
+        """τ · t_step − (t_quorum + t_sync), in seconds; unmeasured terms count as 0, and it may be negative."""
         return self.overlap_steps * (self.t_step or 0.0) - ((self.t_quorum or 0.0) + (self.t_sync or 0.0))
 
     def choose(self) -> float:
+        """The grace window for the next round, in seconds: γ · slack clamped to [floor, ceiling]."""
         return min(self.ceiling, max(self.floor, self.gamma * self.slack))

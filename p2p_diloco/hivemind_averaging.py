@@ -54,10 +54,7 @@ class HivemindAveraging:
     should_stop: Callable[[], bool] = lambda: False
     _buffers: list[torch.Tensor] = field(init=False)
     _averager: OuterGradientAverager = field(init=False)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
-    # hivemind sends every request down one pipe without a lock; the round thread and the training
-    # thread both talk to the averager.
-    _pipe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # one round at a time
     _superseded_by: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -97,12 +94,12 @@ class HivemindAveraging:
 
     @property
     def peer_id(self) -> str:
+        """This learner's peer ID, as groupmates and progress records name it."""
         return str(self.dht.peer_id)
 
     def set_state_priority(self, version: int) -> None:
         """Peers that download state try the highest priority first: the newest version."""
-        with self._pipe_lock:
-            self._averager.state_sharing_priority = float(version)
+        self._averager.state_sharing_priority = float(version)
 
     def average(
         self,
@@ -126,15 +123,14 @@ class HivemindAveraging:
                     buffers[i].copy_(d)
             scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
             timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
-            with self._pipe_lock:
-                self._averager.set_group_bits(group_bits(fragment, version))
-                control = self._averager.step(
-                    weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
-                    scheduled_time=scheduled, wait=False,
-                    # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
-                    # group bits and could pair us with learners at other versions: one attempt per round.
-                    allow_retries=False,
-                )
+            self._averager.set_group_bits(group_bits(fragment, version))
+            control = self._averager.step(
+                weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
+                scheduled_time=scheduled, wait=False,
+                # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
+                # group bits and could pair us with learners at other versions: one attempt per round.
+                allow_retries=False,
+            )
             self._watch_for_newer_version(control, fragment, version + 1)
             try:
                 result = control.result()
@@ -207,16 +203,14 @@ class HivemindAveraging:
 
     def download_state(self, timeout: float) -> Served | None:
         """Newest global state from the peers that serve it (highest version first), or None."""
-        with self._pipe_lock:
-            future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
+        future = self._averager.load_state_from_peers(wait=False, timeout=timeout)
         return self._await_download(future, timeout)
 
     def download_state_from(
         self, peer: str, timeout: float, fragments: Sequence[int] | None = None
     ) -> Served | None:
         """The global state served by one given peer (only ``fragments``' tensors if given), or None."""
-        with self._pipe_lock:
-            future = self._averager.load_state_from_peer(peer, timeout, fragments)
+        future = self._averager.load_state_from_peer(peer, timeout, fragments)
         return self._await_download(future, timeout)
 
     def _await_download(self, future, timeout: float):
@@ -233,6 +227,7 @@ class HivemindAveraging:
         return metadata, list(tensors)
 
     def shutdown(self) -> None:
+        """Shut the averager process down; a failure is logged at DEBUG, never raised."""
         try:
             self._averager.shutdown()
         except Exception as e:  # noqa: BLE001 - shutdown must not mask the caller's own exit path

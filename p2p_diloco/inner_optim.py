@@ -22,6 +22,10 @@ import torch
 
 
 class AdamW:
+    """``torch.optim.AdamW`` (``foreach=False``) over one list of parameters, bit for bit (module docstring).
+
+    The learner sets :attr:`lr` before every step (the schedule); the other hyperparameters are fixed.
+    """
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
         self.params = list(params)
@@ -34,6 +38,7 @@ class AdamW:
         self.state: dict[int, dict[str, torch.Tensor]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients: drop them (``set_to_none``, torch's default) or zero them in place."""
         for p in self.params:
             if p.grad is None:
                 continue
@@ -44,6 +49,7 @@ class AdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        """One AdamW update, in place, of every parameter that has a gradient; refuses sparse gradients."""
         lr, (beta1, beta2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         for i, param in enumerate(self.params):
             grad = param.grad
@@ -72,6 +78,7 @@ class AdamW:
             param.addcdiv_(exp_avg, denom, value=-step_size)
 
     def state_dict(self) -> dict[str, Any]:
+        """Copies of the per-parameter state in torch's layout, with one param group of the current hyperparameters."""
         return {
             "state": {i: {k: v.clone() for k, v in s.items()} for i, s in self.state.items()},
             "param_groups": [{"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
@@ -79,6 +86,10 @@ class AdamW:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take the per-parameter state of a :meth:`state_dict` (this class's or torch's) after checking it.
+
+        ValueError for another parameter count or shape, or amsgrad / maximize state; its hyperparameters are ignored.
+        """
         groups = state_dict.get("param_groups", [])
         n = sum(len(g.get("params", [])) for g in groups)
         if n != len(self.params):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from p2p_diloco import peer_log
+from p2p_diloco.checkpoint import FORMAT
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.lr_schedule import inner_lr
@@ -61,6 +62,7 @@ class Learner:
 
     @property
     def parts(self) -> Parts:
+        """The learner's running parts; RuntimeError before :meth:`run` has set them up."""
         if self._parts is None:
             raise RuntimeError("the learner is not set up yet: call run()")
         return self._parts
@@ -70,7 +72,6 @@ class Learner:
         peer_log.install()
         try:
             p = self._parts = set_up(self.cfg, self.faults, self.leaving, on_commit=self.checkpoint)
-            peer_log.set_position(lambda: (p.state.counters.inner_steps, p.state.version))
             p.progress.publish()
             p.progress.start()
             p.catch_up.start()
@@ -195,7 +196,7 @@ class Learner:
             return  # nothing new since the last one (a commit at the end of an outer step)
         self._checkpointed = mark
         payload = {
-            "format": 2,
+            "format": FORMAT,
             "config": self.cfg.model_dump(),
             "global": [s.to_dict() for s in p.state.states],
             "unconfirmed": p.state.pending_for_checkpoint(p.rounds.in_limbo()),
@@ -228,10 +229,9 @@ class Learner:
         p = self._parts
         if p is None:
             return  # set_up shut down whatever it had started
-        p.rounds.join_threads()
         p.progress.stop()
-        p.progress.publish("left")
-        p.close()
+        p.rounds.join_threads()
+        p.close()  # publishes our "left" record, then stops the averager, the DHT, the writer
 
 
 def write_summary(path: str | Path, summary: dict[str, Any]) -> None:

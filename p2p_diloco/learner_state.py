@@ -42,6 +42,7 @@ class Counters:
     missed_versions: list[int] = field(default_factory=list)
 
     def resize(self, fragments: int) -> None:
+        """Reset the per-fragment counters to zeros for ``fragments`` fragments."""
         self.tokens_since_merge = [0] * fragments
         self.steps_since_merge = [0] * fragments
         self.missed_versions = [0] * fragments
@@ -91,6 +92,7 @@ class LearnerState:
         return [self.params[i] for i in fragment.tensor_indices]
 
     def whole_sha256(self) -> str:
+        """One hash of every fragment's global state: equal on learners holding the same model."""
         return whole_sha256(self.states)
 
     def global_params(self) -> list[torch.Tensor]:
@@ -102,6 +104,7 @@ class LearnerState:
         return out
 
     def refresh_served(self) -> None:
+        """Serve a new snapshot of :attr:`states` to downloading peers; call it after every change of them."""
         self.served.refresh(self.states)
 
     def pending_for_checkpoint(self, extra: dict[int, Unconfirmed]) -> list[dict]:

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import hivemind
 
@@ -47,30 +48,51 @@ def die_with_parent(expected_parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-class LinkedDHT(hivemind.DHT):
-    """hivemind.DHT whose background process (and thus its p2pd) ends when the learner dies.
+class _LockedSend:
+    """A pipe end whose ``send`` holds a lock; everything else is the pipe's own."""
 
-    Calls from several threads of the learner (training loop, round thread, progress heartbeat)
-    are serialized: hivemind sends each request down one multiprocessing pipe without a lock.
+    def __init__(self, conn: Any):
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def serialize_requests(component: Any) -> None:
+    """Make a hivemind DHT's or averager's requests safe to send from several threads.
+
+    hivemind sends every request to its background process down one multiprocessing pipe
+    (``_outer_pipe``) without a lock, and a learner calls it from its training loop, its round thread
+    and its progress heartbeat at once; two sends interleaving would corrupt the pipe. Call it in the
+    parent after the component has started (the child reads the other end).
     """
+    component._outer_pipe = _LockedSend(component._outer_pipe)
 
-    def __init__(self, *args, **kwargs):
-        self._call_lock = threading.Lock()
+
+class LinkedDHT(hivemind.DHT):
+    """hivemind.DHT whose background process (and thus its p2pd) ends when the learner dies, and whose
+    requests may come from several threads (:func:`serialize_requests`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        serialize_requests(self)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         super().run()
 
     def _serialized(self, method, args, kwargs):
-        """Send the request under the lock; wait for the answer outside it.
+        """Send the request; wait for the answer, checking that the DHT process still lives.
 
         The answer never comes if the DHT process is gone (a SIGTERM sent to the learner's whole
         process group reaches it too): then this raises instead of waiting forever, so that a learner
         that was told to stop still shuts down.
         """
-        with self._call_lock:
-            future = method(*args, **{**kwargs, "return_future": True})
+        future = method(*args, **{**kwargs, "return_future": True})
         if kwargs.get("return_future"):
             return future
         while True:
@@ -118,4 +140,16 @@ def start_dht(
             await_ready=wait,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
-        raise LearnerError(f"could not start or join the {what} ({type(e).__name__}: {e})") from None
+        raise _start_error(what, e) from None
+
+
+def wait_until_joined(dht: LinkedDHT, what: str = "DHT") -> None:
+    """Wait for a DHT started with ``wait=False`` to be up and joined; a failure is one :class:`LearnerError`."""
+    try:
+        dht.wait_until_ready()
+    except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
+        raise _start_error(what, e) from None
+
+
+def _start_error(what: str, e: Exception) -> LearnerError:
+    return LearnerError(f"could not start or join the {what} ({type(e).__name__}: {e})".strip())

@@ -36,6 +36,9 @@ from p2p_diloco.processes import (
 
 @dataclass
 class SwarmOptions:
+    """What ``p2p-diloco swarm`` runs: ``learners`` learners on ``config`` until ``max_outer_steps``, files
+    under ``workdir``, ``extra`` CLI arguments for every learner; ``startup_timeout``: for the bootstrap node.
+    """
     learners: int
     config: str
     max_outer_steps: int
@@ -45,6 +48,10 @@ class SwarmOptions:
 
 
 async def run_swarm(opts: SwarmOptions) -> int:
+    """Run the bootstrap node and the learners until every learner exits or a signal comes, stop them all,
+    and print the summary. Returns 0 when every learner exited with 0 and wrote a summary, and the summaries
+    agree (:func:`lineage_verdict`).
+    """
     work = opts.workdir
     work.mkdir(parents=True, exist_ok=True)
     maddrs_file = work / MADDRS_FILE
@@ -146,4 +153,5 @@ def _report(work: Path, n: int, codes: list[int | None]) -> int:
 
 
 def main(opts: SwarmOptions) -> int:
+    """Run :func:`run_swarm` on uvloop; returns the exit code."""
     return uvloop.run(run_swarm(opts))

@@ -47,6 +47,7 @@ class SchedulePosition:
         return [self._version, self._steps]
 
     def load(self, state: list[int]) -> None:
+        """Go on from a position saved by :meth:`state`; ValueError for a negative step count."""
         version, steps = (int(x) for x in state)
         if steps < 0:
             raise ValueError(f"lr schedule position: negative step count {steps}")

@@ -27,7 +27,13 @@ import torch
 
 
 def token_weight(tokens: int, steps: int, missed_versions: int = 0, rule: str = "tokens2_per_step") -> float:
-    """Weight of one learner's contribution to one fragment's round."""
+    """Weight of one learner's contribution to one fragment's round (``rule``: ``sync.weighting``).
+
+    >>> token_weight(tokens=1000, steps=10)  # tokens · tokens / steps
+    100000.0
+    >>> token_weight(1000, 10, missed_versions=1), token_weight(1000, 10, rule="tokens")
+    (50000.0, 1000.0)
+    """
     if tokens <= 0 or steps <= 0:
         return 0.0
     base = float(tokens) if rule == "tokens" else float(tokens) * (float(tokens) / float(steps))
@@ -35,6 +41,7 @@ def token_weight(tokens: int, steps: int, missed_versions: int = 0, rule: str = 
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` taken together, summed in fp64."""
     return float(torch.sqrt(sum(((t.double() ** 2).sum() for t in tensors), torch.zeros((), dtype=torch.float64))))
 
 

@@ -14,6 +14,7 @@ VOCAB_SIZE = 256
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: ``n_head`` heads of ``n_embd / n_head`` dimensions."""
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -29,6 +30,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-LayerNorm transformer block: attention, then an MLP 4× as wide, each on a residual path."""
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)

@@ -54,6 +54,10 @@ class GlobalState:
     contributors: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
 
     def record_contributors(self, version: int, peers: Iterable[str]) -> None:
+        """Record whose outer gradients produced ``version`` (replacing an earlier entry for it).
+
+        Only the newest :data:`CONTRIBUTOR_VERSIONS` versions are kept.
+        """
         entries = {v: tuple(p) for v, p in self.contributors}
         entries[int(version)] = tuple(sorted(set(peers)))
         self.contributors = sorted(entries.items())[-CONTRIBUTOR_VERSIONS:]
@@ -73,17 +77,21 @@ class GlobalState:
             del self.history[:-HISTORY_LENGTH]
 
     def descends_from(self, version: int, sha: str) -> bool:
+        """Whether (``version``, ``sha``) is in this state's history: an ancestor, or this state once remembered."""
         return (version, sha) in {tuple(h) for h in self.history}
 
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> GlobalState:
+        """Version 0 from a module's parameters: fp32 CPU copies, zero momentum, empty history."""
         params = [p.detach().to("cpu", torch.float32, copy=True) for p in module.parameters()]
         return cls(params=params, momentum=[torch.zeros_like(p) for p in params])
 
     def tensors(self) -> list[torch.Tensor]:
+        """Parameters then momentum buffers: the order in which the state is hashed and served."""
         return [*self.params, *self.momentum]
 
     def sha256(self) -> str:
+        """Hash of the tensors, version, momentum flag and tokens (not the history or contributors)."""
         return state_sha256(self.tensors(), self.version, self.momentum_initialized, self.tokens)
 
     def to_dict(self, tensors: bool = True) -> dict[str, Any]:
@@ -132,6 +140,7 @@ class GlobalState:
                    contributors=[(int(v), tuple(map(str, peers))) for v, peers in contributors])
 
     def copy(self) -> GlobalState:
+        """A deep copy: cloned tensors, new history and contributors lists."""
         return GlobalState(
             params=[p.clone() for p in self.params],
             momentum=[m.clone() for m in self.momentum],
@@ -146,6 +155,7 @@ class GlobalState:
 def state_sha256(
     tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool, tokens: int = 0
 ) -> str:
+    """SHA-256 (hex) of the version, momentum flag and tokens, then each tensor's shape and raw bytes, in order."""
     h = hashlib.sha256()
     h.update(f"v{version}m{int(momentum_initialized)}t{int(tokens)}".encode())
     for t in tensors:
@@ -183,6 +193,9 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def apply(self, state: GlobalState, avg_delta: Sequence[torch.Tensor], tokens: int = 0) -> None:
+        """One outer step on ``state``, in place (formulas in the module docstring): version + 1, ``tokens`` added,
+        history recorded. ``avg_delta``: the averaged outer gradient, one tensor per parameter (ValueError otherwise).
+        """
         if len(avg_delta) != len(state.params):
             raise ValueError(f"expected {len(state.params)} outer gradients, got {len(avg_delta)}")
         mu, lr = self.cfg.momentum, self.cfg.lr
@@ -217,6 +230,14 @@ def apply_result(
     - ``mix``: θ ← Θ_new + (θ − base). What was trained since ``base`` is kept on top of Θ_new. With
       ``base`` = the Θ the local progress started from, this is a rebase: the inner steps stay an
       outer gradient relative to the new global parameters and count in the next round.
+
+    >>> local = [torch.tensor([1.0, 2.0])]  # θ, trained on from base = [0.5, 0.5]
+    >>> apply_result(local, [torch.tensor([10.0, 10.0])], [torch.tensor([0.5, 0.5])], "mix")
+    >>> local[0].tolist()
+    [10.5, 11.5]
+    >>> apply_result(local, [torch.tensor([3.0, 4.0])], [torch.tensor([0.0, 0.0])], "overwrite")
+    >>> local[0].tolist()
+    [3.0, 4.0]
     """
     with torch.no_grad():
         for p, new, old in zip(local_params, new_global, base, strict=True):
@@ -237,6 +258,7 @@ def rebase(local_params: Sequence[torch.Tensor], old_global: Sequence[torch.Tens
 
 
 def load_into_module(module: torch.nn.Module, params: Sequence[torch.Tensor]) -> None:
+    """Copy ``params`` into the module's parameters in order, cast to each parameter's device and dtype."""
     with torch.no_grad():
         for p, g in zip(module.parameters(), params, strict=True):
             p.copy_(g.to(p.device, p.dtype))

@@ -19,6 +19,7 @@ _pid = os.getpid()
 
 
 def set_peer(short_id: str) -> None:
+    """The short peer id shown in every prefix (the learner gives the last 6 characters of its peer ID)."""
     global _peer
     _peer = short_id
 
@@ -30,6 +31,7 @@ def set_position(position: Callable[[], tuple[int, int]]) -> None:
 
 
 def prefix() -> str:
+    """``[peer step=N round=R]`` now, or ``[peer child]`` in a process other than the one that set the position."""
     if os.getpid() != _pid:
         return f"[{_peer} child]"
     step, round_ = _position()
@@ -37,6 +39,7 @@ def prefix() -> str:
 
 
 class PeerPrefix(logging.Filter):
+    """The filter :func:`install` adds: prefixes each ``p2p_diloco.*`` record once, formatting its message."""
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name.startswith("p2p_diloco") and not getattr(record, "peer_prefixed", False):
             record.msg, record.args = f"{prefix()} {record.getMessage()}", None

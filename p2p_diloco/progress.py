@@ -52,6 +52,7 @@ class Progress:
         return self._seen
 
     def others(self, fresh: bool) -> dict[str, ProgressRecord]:
+        """The other learners' records (ours left out); ``fresh`` as in :meth:`records`."""
         return {p: r for p, r in self.records(fresh).items() if p != self.state.peer_id}
 
     def newest_live_version(self, fragment: int = 0) -> int:
@@ -61,6 +62,7 @@ class Progress:
                     if p != self.state.peer_id and r.status != "left"), default=0)
 
     def start(self) -> None:
+        """Start the heartbeat thread; call it once."""
         self._thread.start()
 
     def _heartbeat(self) -> None:
@@ -69,6 +71,7 @@ class Progress:
             self._seen = self.board.read()  # leaves `stale` to the training thread
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the heartbeat and wait up to ``timeout`` seconds for its thread."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)

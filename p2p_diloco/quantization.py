@@ -130,6 +130,10 @@ class _NarrowFloat(Quantizer):
     smallest_error: ClassVar[float]  # absolute rounding error among subnormals
 
     def error_bound(self, tensor: torch.Tensor, fp32_slack: bool = True) -> torch.Tensor:
+        """Half an ulp of each value (at least ``smallest_error``), or ``|x| − finite_max`` where clamped.
+
+        ``fp32_slack`` is not used here.
+        """
         ax = tensor.detach().to(torch.float32).reshape(-1).abs()
         m = self.finite_max
         return torch.where(ax > m, ax - m, torch.clamp_min(ax * self.half_ulp, self.smallest_error))
@@ -175,9 +179,11 @@ class BlockQuantizer(Quantizer):
 
     @property
     def tag(self) -> str:
+        """``p2pd:<name>:<block_size>``, e.g. ``p2pd:int8:64``."""
         return f"{TAG_PREFIX}{self.name}:{self.block_size}"
 
     def payload_bytes(self, numel: int) -> int:
+        """4 bytes of scale per block, then the packed codes: ``ceil(numel · bits / 8)`` bytes."""
         # integer ceilings: exact for any numel a peer may claim, unlike float division
         return 4 * -(-numel // self.block_size) + -(-numel * self.bits // 8)
 
@@ -200,6 +206,7 @@ class BlockQuantizer(Quantizer):
         return (blocks * scale[:, None]).view(-1)[:n]
 
     def error_bound(self, tensor: torch.Tensor, fp32_slack: bool = True) -> torch.Tensor:
+        """Half the scale of each element's block, plus the fp32 allowance with ``fp32_slack`` (:func:`error_bound`)."""
         x = tensor.detach().to(torch.float32).reshape(-1)
         scale = self.quantize(x)[0]
         per_block = scale / 2 + (scale * 2.0**-15 + 2.0**-142 if fp32_slack else 0.0)

@@ -27,7 +27,7 @@ _MAX_RECORD_BYTES = 16 * 1024
 
 
 class RecordError(ValueError):
-    pass
+    """A progress record from a peer is malformed; the reader drops it."""
 
 
 def _is_sha(value: object) -> bool:
@@ -36,6 +36,9 @@ def _is_sha(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ProgressRecord:
+    """What a learner says about itself: its oldest fragment's version, the hash of its whole global state,
+    the tokens merged into it, its status, and per-fragment versions and hashes.
+    """
     version: int
     sha256: str
     tokens: int
@@ -45,17 +48,21 @@ class ProgressRecord:
     shas: tuple[str, ...] = ()  # per fragment: with the versions, tells sibling lineages apart
 
     def encode(self) -> bytes:
+        """The msgpack bytes stored in the DHT."""
         return msgpack.packb({**asdict(self), "versions": list(self.versions), "shas": list(self.shas)},
                              use_bin_type=True)
 
     def fragment_sha(self, fragment: int) -> str:
+        """The hash of ``fragment``, or ``""`` when the record lists none for it."""
         return self.shas[fragment] if fragment < len(self.shas) else ""
 
     def fragment_version(self, fragment: int) -> int:
+        """The version of ``fragment``; :attr:`version` when the record lists none for it."""
         return self.versions[fragment] if fragment < len(self.versions) else self.version
 
     @classmethod
     def decode(cls, raw: object) -> ProgressRecord:
+        """The record in ``raw`` (bytes from a peer); :class:`RecordError` for anything malformed or out of range."""
         if not isinstance(raw, bytes) or len(raw) > _MAX_RECORD_BYTES:
             raise RecordError("not a msgpack byte string of sane size")
         try:
@@ -98,6 +105,10 @@ class ProgressBoard:
         self._peer_key = dht.peer_id.to_bytes()
 
     def publish(self, record: ProgressRecord) -> bool:
+        """Store ``record``, stamped with the wall time, under our subkey for ``ttl`` seconds.
+
+        Best effort: returns False (with a warning for an error) instead of raising.
+        """
         record = ProgressRecord(**{**asdict(record), "wall_time": time.time()})
         try:
             return bool(

@@ -28,6 +28,7 @@ from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
 logger = logging.getLogger(__name__)
 
 class Stage(enum.Enum):
+    """The stages of an :class:`OuterRound`, as in the module docstring."""
     PREPARED = "prepared"
     AVERAGING = "averaging"
     VALIDATED = "validated"
@@ -37,6 +38,9 @@ class Stage(enum.Enum):
 
 @dataclass
 class RoundOutcome:
+    """How a round ended: its last stage, why it failed (``reason``), its group, seconds, bytes sent, and the
+    fragment's version afterwards.
+    """
     stage: Stage
     reason: str = ""
     group_size: int = 0
@@ -49,6 +53,7 @@ class RoundOutcome:
 
     @property
     def committed(self) -> bool:
+        """Whether the outer step was applied."""
         return self.stage is Stage.APPLIED
 
 
@@ -79,6 +84,9 @@ class OuterRound:
             self._delta, self._norm = to_unit(self._delta)
 
     def metadata(self) -> dict[str, Any]:
+        """What this learner gathers to its group: version and hash of the state it holds, tokens, inner steps,
+        weight, and Δ's norm (0 without RDA). Groupmates must agree on version and hash.
+        """
         return {
             "version": self.state.version,
             "sha256": self.state.sha256(),

@@ -50,6 +50,7 @@ class InFlight:
         return Unconfirmed(version, self.snapshot, self.tokens, self.steps)
 
     def running(self) -> bool:
+        """Whether the round's thread is still running (False for a round run in the foreground)."""
         return self.thread is not None and self.thread.is_alive()
 
 
@@ -225,12 +226,16 @@ class Rounds:
             self.state.counters.missed_versions[f] = 0  # our own round, not a version we missed
 
     def due(self) -> list[Fragment]:
+        """Fragments that became due: at their wall-clock slot (each slot once), or on the steps schedule when the
+        inner step plus :attr:`phase_shift` reaches their offset.
+        """
         if self.clock is not None:
             return self.clock.due(get_dht_time())
         return due_fragments(self.state.fragments, self.state.counters.inner_steps + self.phase_shift,
                              self.cfg.inner.steps_per_outer)
 
     def at_target(self, fragment: int) -> bool:
+        """Whether ``fragment`` has reached ``run.max_outer_steps``: no more rounds of it."""
         target = self.cfg.run.max_outer_steps
         return target is not None and self.state.states[fragment].version >= target
 
@@ -328,6 +333,7 @@ class Rounds:
         return {f: task.unconfirmed(self.state.states[f].version)}
 
     def join_threads(self) -> None:
+        """Wait for the round threads still running, each at most the round timeout + 5 s (on shutdown)."""
         for task in (self.inflight, self.detached):
             if task is not None and task.thread is not None:
                 task.thread.join(timeout=self.cfg.averaging.round_timeout + 5)

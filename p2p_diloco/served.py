@@ -39,6 +39,11 @@ def fragment_slices(tensor_counts: Sequence[int], wanted: Sequence[int] | None =
 
     ``tensor_counts[f]``: how many parameter tensors fragment f has. The list holds only the wanted
     fragments (all when ``wanted`` is None), in fragment order.
+
+    >>> fragment_slices([2, 1, 3])
+    [slice(0, 4, None), slice(4, 6, None), slice(6, 12, None)]
+    >>> fragment_slices([2, 1, 3], wanted=[2, 0])  # fragment 0's tensors, then fragment 2's
+    [slice(0, 4, None), slice(4, 10, None)]
     """
     keep = set(range(len(tensor_counts)) if wanted is None else wanted)
     out, start = [], 0
@@ -83,10 +88,12 @@ class ServedState:
     _current: Served | None = None
 
     def refresh(self, states: Sequence[GlobalState]) -> None:
+        """Serve a snapshot of ``states`` from now on (copies: later changes to them are not served)."""
         self._current = snapshot(states)
 
     @property
     def metadata(self) -> dict[str, Any] | None:
+        """The served metadata; None before the first :meth:`refresh`."""
         return None if self._current is None else self._current[0]
 
     def __call__(self) -> Served:

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 from hivemind.utils import get_dht_time
+from pydantic import ValidationError
 
 from p2p_diloco import STARTED, peer_log
 from p2p_diloco.catch_up import CatchUp
 from p2p_diloco.checkpoint import CheckpointError, CheckpointWriter, claim_checkpoint_dir, load_checkpoint
-from p2p_diloco.config import LearnerConfig
+from p2p_diloco.config import LearnerConfig, ModelConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan
@@ -32,7 +33,7 @@ from p2p_diloco.grace import GraceWindow
 from p2p_diloco.hivemind_averaging import HivemindAveraging
 from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
-from p2p_diloco.lifecycle import LinkedDHT, start_dht
+from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
 from p2p_diloco.lr_schedule import SchedulePosition
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError
@@ -52,7 +53,9 @@ def lineage_id(cfg: LearnerConfig) -> str:
     would produce different states from the same round; they use different DHT keys and never meet.
     """
     keys = {
-        "model": cfg.model.model_dump(), "outer": cfg.outer.model_dump(), "seed": cfg.run.seed,
+        # Where a model's files lie and how a learner saves memory are its own business, not the lineage's.
+        "model": cfg.model.model_dump(exclude={"path", "activation_checkpointing"}), "outer": cfg.outer.model_dump(),
+        "seed": cfg.run.seed,
         "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
         "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
         "steps_per_outer": cfg.inner.steps_per_outer, "schedule": cfg.sync.schedule,
@@ -63,6 +66,7 @@ def lineage_id(cfg: LearnerConfig) -> str:
 
 @dataclass
 class LocalData:
+    """This learner's data: its shard index, a batch sampler over the shard, and the fixed eval batches."""
     shard: int
     sampler: BatchSampler
     eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -95,10 +99,12 @@ class Parts:
     closer: contextlib.ExitStack
 
     def close(self) -> None:
+        """Shut down everything :func:`set_up` started, in reverse order."""
         self.closer.close()
 
 
 def load_data(cfg: LearnerConfig, shard: int) -> LocalData:
+    """Shard ``shard`` and the eval split, read in one pass; DataError if either holds at most ``seq_len + 1`` bytes."""
     splits = load_splits(cfg.data, [shard, None])
     train, evaluation = splits[shard], splits[None]
     if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
@@ -132,17 +138,31 @@ def build(cfg: LearnerConfig) -> tuple[Trainer, LearnerState]:
 
 
 def check_compatible(cfg: LearnerConfig, payload: dict[str, Any], where: Path) -> None:
+    """Refuse (LearnerError) a checkpoint made with another model or number of fragments."""
     saved = payload["config"]
-    if saved["model"] != cfg.model.model_dump() or saved.get("sync", {}).get("fragments", 1) != cfg.sync.fragments:
+    try:  # fields added since the checkpoint was made take their defaults
+        saved_model = ModelConfig.model_validate(saved["model"]).model_dump()
+    except (ValidationError, KeyError, TypeError):
+        saved_model = None
+    if saved_model != cfg.model.model_dump() or saved.get("sync", {}).get("fragments", 1) != cfg.sync.fragments:
         raise LearnerError(f"checkpoint in {where} was made with a different model or fragments")
 
 
 def restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, where: Path) -> int:
-    """Load a checkpoint into the freshly built parts; returns the sampler cursor to apply."""
+    """Load a checkpoint into the freshly built parts; returns the sampler cursor to apply.
+
+    A checkpoint of the right format whose contents do not fit is one :class:`CheckpointError` line."""
     try:
-        state.states = [GlobalState.from_dict(g) for g in payload["global"]]
+        return _restore(payload, trainer, state, where)
     except StateFormatError as e:
         raise CheckpointError(f"checkpoint in {where}: bad global state ({e})") from None
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint in {where} does not fit this learner ({type(e).__name__}: {e}); "
+                              "move it away to start fresh") from None
+
+
+def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, where: Path) -> int:
+    state.states = [GlobalState.from_dict(g) for g in payload["global"]]
     trainer.model.load_state_dict(payload["model"])
     trainer.inner_opt.load_state_dict(payload["inner_opt"])
     state.counters = Counters(**payload["counters"])
@@ -197,11 +217,17 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     local_work = time.monotonic()
     data = load_data(cfg, cfg.data.shard_index) if cfg.data.shard_index is not None else None
     trainer, state = build(cfg)
+    # The clock starts at the next slot of each fragment: made before the DHT wait, as slots open meanwhile.
+    clock = (ClockSchedule(state.fragments, cfg.sync.period_seconds, get_dht_time())
+             if cfg.sync.schedule == "clock" else None)
+    peer_log.set_position(lambda: (state.counters.inner_steps, state.version))
     cursor = restore(payload, trainer, state, ckpt_dir) if payload is not None else None
     state.refresh_served()
     local_work = time.monotonic() - local_work
     waited = time.monotonic()
     lineage, progress = _join(cfg, dht, state, payload)
+    closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
+    closer.callback(progress.stop)
     waited = time.monotonic() - waited
     if data is None:
         data = load_data(cfg, shard_for_peer(dht.peer_id.to_bytes(), cfg.data.num_shards))
@@ -226,8 +252,6 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                         min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
-    clock = (ClockSchedule(state.fragments, cfg.sync.period_seconds, get_dht_time())
-             if cfg.sync.schedule == "clock" else None)
     rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit)
     now = time.monotonic()
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
@@ -237,10 +261,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
 
 def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState,
           payload: dict[str, Any] | None) -> tuple[str, Progress]:
-    try:
-        dht.wait_until_ready()
-    except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
-        raise LearnerError(f"could not start or join the DHT ({type(e).__name__}: {e})".strip()) from None
+    wait_until_joined(dht)
     state.peer_id = str(dht.peer_id)
     peer_log.set_peer(state.peer_id[-6:])
     logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")

@@ -41,6 +41,7 @@ _Dumper.add_representer(_Flow, lambda d, v: d.represent_sequence("tag:yaml.org,2
 
 
 def env_prefix(region: Region) -> str:
+    """The region's name in upper case: the prefix of its ``<REGION>_BANDWIDTH``-style variables."""
     return region.name.upper()
 
 
@@ -123,6 +124,9 @@ def _learners(topo: Topology, r: Region) -> dict[str, Any]:
 
 
 def compose_dict(topo: Topology) -> dict[str, Any]:
+    """The compose document for ``topo``: per region a gateway and a learner service, the bootstrap node,
+    the networks and the volumes.
+    """
     services: dict[str, Any] = {}
     for r in topo.regions:
         services[f"gw-{r.name}"] = _gateway(topo, r)

@@ -89,6 +89,7 @@ def netem_supported() -> bool:
 
 
 def list_namespaces() -> list[str]:
+    """Names of every network namespace on this machine (``ip netns list``)."""
     # Lines look like "name (id: 3)" or just "name".
     return [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
 
@@ -104,6 +105,7 @@ def _alive(pid: int) -> bool:
 
 
 def namespace_pids(ns: str) -> list[int]:
+    """Pids of the processes in namespace ``ns``; empty when none (or when ``ip`` cannot tell)."""
     return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).split()]
 
 
@@ -219,6 +221,7 @@ class Fabric:
         self.hosts: list[Host] = []
 
     def gateway_ns(self, region: str) -> str:
+        """Name of ``region``'s gateway namespace."""
         return f"{self.prefix}gw-{region}"
 
     @staticmethod
@@ -289,4 +292,5 @@ class Fabric:
                 for r in self.topo.regions}
 
     def teardown(self, grace: float = 10.0) -> list[str]:
+        """Kill the processes in, then delete, every namespace of this run; returns their names."""
         return delete_namespaces(self.prefix, grace)

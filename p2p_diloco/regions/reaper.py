@@ -29,6 +29,10 @@ def wait_for_exit(pid: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """``argv`` = [supervisor pid, prefix]: wait for the supervisor to exit, then delete the prefix's namespaces.
+
+    Returns 2, doing nothing, when the prefix is not one of ours.
+    """
     pid, prefix = int(argv[0]), argv[1]
     if not prefix.startswith(FAMILY):  # never delete namespaces that are not ours
         return 2

@@ -18,6 +18,10 @@ from p2p_diloco.regions.topology import rate_bits_per_second
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Replace ``--dev``'s root qdisc with the shaping recipe (bandwidth only where netem is missing).
+
+    Returns 2 for a malformed rate or when ``tc`` refuses the shaping.
+    """
     p = argparse.ArgumentParser(prog="python -m p2p_diloco.regions.shape", description=__doc__.splitlines()[0])
     p.add_argument("--dev", required=True)
     p.add_argument("--rate", required=True, help="tc units, e.g. 20mbit")

@@ -43,6 +43,9 @@ from p2p_diloco.regions.topology import Topology
 
 @dataclass
 class RegionsOptions:
+    """What ``p2p-diloco regions`` runs: the topology, the learners' config file, the target version, the
+    work directory and ``extra`` CLI arguments for every learner.
+    """
     topology: Topology
     learner_config: Path
     max_outer_steps: int
@@ -64,12 +67,14 @@ class Supervisor:
         self.pumps: list[asyncio.Task] = []
 
     async def spawn(self, host: Host, args: list[str]) -> asyncio.subprocess.Process:
+        """Start ``p2p-diloco ARGS`` in ``host``'s namespace, its output forwarded under the host's name."""
         proc, pump = await spawn_pumped(host.name, _in_ns(host, args))
         self.procs[host.name] = proc
         self.pumps.append(pump)
         return proc
 
     async def stop_all(self, grace: float) -> None:
+        """SIGTERM every process, SIGKILL those left after ``grace`` seconds, then let their output drain."""
         await stop_all(list(self.procs.values()), grace)
         await asyncio.gather(*self.pumps, return_exceptions=True)
 
@@ -103,6 +108,10 @@ def _learner_args(opts: RegionsOptions, host: Host, slot: int, bootstrap_addr: s
 
 
 async def run_regions(opts: RegionsOptions) -> int:
+    """Build the namespaces, run the bootstrap node and learners until they exit or a signal comes, stop
+    and remove everything, then report. Returns 0 when every learner exited with 0 and wrote a summary, and
+    the summaries agree (:func:`~p2p_diloco.local_swarm.lineage_verdict`).
+    """
     topo, work = opts.topology, opts.workdir.resolve()
     opts.workdir = work
     work.mkdir(parents=True, exist_ok=True)
@@ -188,4 +197,5 @@ def _report(opts: RegionsOptions, learners: dict[str, asyncio.subprocess.Process
 
 
 def main(opts: RegionsOptions) -> int:
+    """Run :func:`run_regions` on uvloop; returns the exit code."""
     return uvloop.run(run_regions(opts))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from p2p_diloco.config import ConfigError, read_toml
+from p2p_diloco.config import config_error, read_toml
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _RATE_UNITS = {"bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
@@ -75,6 +75,7 @@ class Region(_Strict):
 
     @property
     def gateway(self) -> ipaddress.IPv4Address:
+        """The region's gateway: ``.2`` of its subnet."""
         return self.subnet[GATEWAY_HOST]
 
     @property
@@ -83,10 +84,12 @@ class Region(_Strict):
         return list(self.subnet.subnets(prefixlen_diff=1))[1]
 
     def learner_addr(self, i: int) -> ipaddress.IPv4Address:
+        """Address of the region's ``i``-th learner (from 0) in :attr:`learner_range`."""
         return self.learner_range[i + 1]
 
     @property
     def needs_netem(self) -> bool:
+        """Whether the region's link has delay or loss, which only netem applies."""
         return self.delay_ms > 0 or self.loss_pct > 0
 
 
@@ -129,22 +132,28 @@ class Topology(_Strict):
 
     @property
     def shard_stride(self) -> int:
+        """Shards per region: ``num_shards // len(regions)``, at least 1."""
         return max(self.num_shards // len(self.regions), 1)
 
     def region(self, name: str) -> Region:
+        """The region called ``name``; StopIteration if there is none."""
         return next(r for r in self.regions if r.name == name)
 
     def region_index(self, name: str) -> int:
+        """Position of region ``name`` in :attr:`regions`; StopIteration if there is none."""
         return next(i for i, r in enumerate(self.regions) if r.name == name)
 
     def backbone_addr(self, region: str) -> ipaddress.IPv4Address:
+        """The address of ``region``'s gateway on the backbone: ``backbone[10 + region index]``."""
         return self.backbone[BACKBONE_HOST_BASE + self.region_index(region)]
 
     @property
     def bootstrap_addr(self) -> ipaddress.IPv4Address:
+        """The bootstrap node's address: ``.10`` of its region's subnet."""
         return self.region(self.bootstrap_region).subnet[BOOTSTRAP_HOST]
 
     def shard_base(self, region: str) -> int:
+        """The first of ``region``'s :attr:`shard_stride` consecutive shards."""
         return (self.region_index(region) * self.shard_stride) % self.num_shards
 
     def shard_index(self, region: str, slot: int) -> int:
@@ -153,6 +162,7 @@ class Topology(_Strict):
 
     @property
     def netem_needed(self) -> bool:
+        """Whether any region needs netem (delay or loss)."""
         return any(r.needs_netem for r in self.regions)
 
 
@@ -160,6 +170,7 @@ DEFAULT_TOPOLOGY = Path("regions") / "topology.toml"
 
 
 def project_root() -> Path:
+    """The directory above the ``p2p_diloco`` package: where :func:`resolve_path` looks second."""
     return Path(__file__).resolve().parents[2]
 
 
@@ -172,16 +183,10 @@ def resolve_path(path: str | Path) -> Path:
     return alt if alt.exists() else p
 
 
-def _first_error(exc: ValidationError, path: Path) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "topology"
-    return f"{path}: {where}: {err['msg'].removeprefix('Value error, ')}"
-
-
 def load_topology(path: str | Path = DEFAULT_TOPOLOGY) -> Topology:
     """Read and validate a topology file; problems become a one-line :class:`ConfigError`."""
     path = resolve_path(path)
     try:
         return Topology.model_validate(read_toml(path))
     except ValidationError as e:
-        raise ConfigError(_first_error(e, path)) from None
+        raise config_error(e, root="topology", source=path) from None

@@ -1,4 +1,5 @@
-"""An in-process stand-in for the network: members of one group meet at a barrier."""
+"""An in-process stand-in for the network (the whole :class:`~p2p_diloco.averaging.Averaging` interface):
+members of one group meet at a barrier; searches and served states are what the test sets."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 
 import torch
 
-from p2p_diloco.averaging import AverageResult, RoundFailed
+from p2p_diloco.averaging import AverageResult, RoundFailed, Served
 from p2p_diloco.outer import weighted_mean
 
 
@@ -25,11 +26,32 @@ class FakeGroup:
 
 
 class FakeAveraging:
-    def __init__(self, group: FakeGroup, name: str, fail: bool = False):
+    def __init__(self, group: FakeGroup | None = None, name: str = "me", fail: bool = False,
+                 searching: dict[tuple[int, int], int] | None = None, serves: dict[str | None, Served] | None = None):
         self.group, self.name, self.fail = group, name, fail
+        self.searching = searching or {}  # (fragment, version) → peers searching for a group there
+        self.serves = serves or {}  # peer → what it serves (None: the answer to "any peer")
+        self.priority: int | None = None
+        self.looks = 0
+
+    def set_state_priority(self, version: int) -> None:
+        self.priority = version
+
+    def searching_peers(self, fragment: int, version: int) -> int:
+        self.looks += 1
+        return self.searching.get((fragment, version), 0)
+
+    def download_state(self, timeout: float) -> Served | None:
+        return self.serves.get(None)
+
+    def download_state_from(self, peer: str, timeout: float, fragments=None) -> Served | None:
+        return self.serves.get(peer)
+
+    def shutdown(self) -> None:
+        pass
 
     def average(self, deltas, weight, metadata, version, fragment=0, grace=None):
-        if self.fail:
+        if self.fail or self.group is None:
             raise RoundFailed("no group formed within the round window")
         g = self.group
         with g._lock:

@@ -1,7 +1,6 @@
 """The served state: one layout for serving, slicing and parsing; a download verified by its hashes;
 and deciding from the progress records that the swarm is ahead."""
 
-from types import SimpleNamespace
 
 import torch
 
@@ -13,6 +12,8 @@ from p2p_diloco.outer import GlobalState
 from p2p_diloco.progress import Progress
 from p2p_diloco.records import ProgressRecord
 from p2p_diloco.served import fragment_slices, parse_download, select_fragments, snapshot
+
+from .fake_averaging import FakeAveraging
 
 
 def states() -> list[GlobalState]:
@@ -91,7 +92,7 @@ def catch_up_with(records, stop_at=2.5) -> CatchUp:
     fragments = build_fragments([("a", torch.Size([4, 5])), ("b", torch.Size([7]))], 2, 10)
     state = LearnerState(fragments=fragments, states=states(), params=[], peer_id="me")
     progress = Progress(Board(records), state, 15.0)
-    return CatchUp(cfg, state, SimpleNamespace(), progress, should_stop=lambda: False)
+    return CatchUp(cfg, state, FakeAveraging(), progress, should_stop=lambda: False)
 
 
 def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
@@ -107,3 +108,18 @@ def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
     alone.progress.board.records = {}
     alone.behind()
     assert not alone.swarm_gone
+
+
+def test_a_download_is_taken_from_the_first_peer_that_serves_a_newer_verified_state():
+    theirs = states()
+    for s in theirs:
+        s.version += 1
+        s.remember()
+    catch_up = catch_up_with({}, stop_at=None)
+    ours = [s.copy() for s in catch_up.state.states]
+    bad_meta, bad_tensors = served(theirs)
+    bad_tensors = [t + 1 for t in bad_tensors]  # does not match its advertised hashes
+    catch_up.averaging = FakeAveraging(serves={"liar": (bad_meta, bad_tensors), None: served(theirs)})
+    got = catch_up.fetch(["liar"], [0, 1])
+    assert sorted(got) == [0, 1] and got[0].sha256() == theirs[0].sha256()
+    assert [s.sha256() for s in catch_up.state.states] == [s.sha256() for s in ours]  # fetch changes nothing

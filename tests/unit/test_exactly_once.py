@@ -22,6 +22,7 @@ from p2p_diloco.round import RoundOutcome, Stage
 from p2p_diloco.rounds import InFlight, Rounds
 from p2p_diloco.served import parse_download
 
+from .fake_averaging import FakeAveraging
 from .test_download import served, states
 
 
@@ -92,7 +93,7 @@ def _parts(p: int = 2, *overrides: str) -> tuple[LearnerState, CatchUp, Rounds]:
     state.counters.resize(p)
     cfg = load_learner_config("peers/small-cpu.toml", ["sync.overlap_steps=2", "sync.max_wait_seconds=0.05",
                                                        *overrides])
-    averaging = SimpleNamespace(set_state_priority=lambda version: None)
+    averaging = FakeAveraging()
     progress = Progress(SimpleNamespace(read=dict), state, 15.0)
     catch_up = CatchUp(cfg, state, averaging, progress, should_stop=lambda: False)
     grace = GraceWindow(2, 0.5, 3.0, 6.0)

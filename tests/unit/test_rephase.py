@@ -11,18 +11,9 @@ from p2p_diloco.fragments import build_fragments
 from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.rounds import Rounds
 
+from .fake_averaging import FakeAveraging
+
 H, P = 20, 4
-
-
-class _Averaging:
-    """Answers the DHT look: which (fragment, version) others are matchmaking at."""
-
-    def __init__(self, searching: dict[tuple[int, int], int]):
-        self.searching, self.looks = searching, 0
-
-    def searching_peers(self, fragment: int, version: int) -> int:
-        self.looks += 1
-        return self.searching.get((fragment, version), 0)
 
 
 def _learner(searching: dict[tuple[int, int], int], steps: int) -> Rounds:
@@ -32,7 +23,7 @@ def _learner(searching: dict[tuple[int, int], int], steps: int) -> Rounds:
     state = LearnerState(fragments=fragments, states=[SimpleNamespace(version=7) for _ in range(P)], params=[])
     state.counters.inner_steps = steps
     none = SimpleNamespace()
-    return Rounds(cfg, state, _Averaging(searching), none, none, None, none, none, lambda: None)
+    return Rounds(cfg, state, FakeAveraging(searching=searching), none, none, None, none, none, lambda: None)
 
 
 def _due_steps(learner: Rounds, fragment: int, steps: range) -> list[int]:

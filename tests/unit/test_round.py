@@ -97,3 +97,9 @@ def test_round_without_progress_does_not_average():
     out = OuterRound(state, OuterOptimizer(OuterConfig()), _StubAveraging(None, {"me": "same"}),
                      params, 0, 0).run()
     assert not out.committed
+
+
+def test_the_fake_implements_the_whole_averaging_interface():
+    from p2p_diloco.averaging import Averaging
+
+    assert isinstance(FakeAveraging(), Averaging)

@@ -7,6 +7,7 @@ fragment look for each other (hivemind's group key is ``{prefix}.0b{bits}``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -28,6 +29,10 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import FaultPlan
 
 logger = get_logger(__name__)
+
+# What a step's or a download's future may raise. A step cancelled inside hivemind's averager process
+# comes back as asyncio.CancelledError, a BaseException: it must end the round, not the learner.
+_STEP_FAILURES = (Exception, asyncio.CancelledError)
 
 
 @dataclass
@@ -134,7 +139,7 @@ class HivemindAveraging:
             self._watch_for_newer_version(control, fragment, version + 1)
             try:
                 result = control.result()
-            except Exception as e:  # hivemind raises a zoo of types here; all mean "no average"
+            except _STEP_FAILURES as e:  # hivemind raises a zoo of types here; all mean "no average"
                 # A cancelled step's future is done at once, but its coroutine in the averager may still
                 # be matchmaking; the next round's step would then share the matchmaker with it (seen in
                 # a 2 Mbit/s benchmark run: a group of fragment 0 with a member gathering fragment 1).
@@ -185,7 +190,7 @@ class HivemindAveraging:
                 control.result(timeout=self.poll_seconds)
             except TimeoutError:
                 pass
-            except Exception:  # noqa: BLE001 - the failure itself is reported by the caller
+            except _STEP_FAILURES:  # the failure itself is reported by the caller
                 return
             if control.done() or control.began_allreduce:
                 return
@@ -217,7 +222,7 @@ class HivemindAveraging:
         try:
             # hivemind's own timeout is per chunk; bound the whole download here.
             loaded = future.result(timeout=timeout * 4)
-        except Exception as e:  # noqa: BLE001 - a slow or broken peer must not end the learner
+        except _STEP_FAILURES as e:  # a slow or broken peer must not end the learner
             logger.warning(f"state download failed: {type(e).__name__}: {e}")
             future.cancel()
             return None

@@ -12,6 +12,7 @@ never an exception from the network.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import math
@@ -102,7 +103,7 @@ class OuterRound:
         started = time.perf_counter()
         try:
             outcome = self._run()
-        except Exception as e:  # noqa: BLE001 - contained in the round, by design
+        except (Exception, asyncio.CancelledError) as e:  # contained in the round, by design
             logger.warning(f"round of fragment {self.fragment} failed unexpectedly: {type(e).__name__}: {e}")
             logger.debug("the round's traceback", exc_info=True)
             outcome = self._fail(f"unexpected {type(e).__name__}: {e}")

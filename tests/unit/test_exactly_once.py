@@ -223,3 +223,19 @@ def test_a_round_that_raises_is_a_failed_outcome_not_an_exception(caplog):
     assert not out.committed and "KeyError" in out.reason and s.version == 4
     assert [r.levelno for r in caplog.records if "failed unexpectedly" in r.getMessage()] == [logging.WARNING]
     assert any(r.exc_info for r in caplog.records if r.levelno == logging.DEBUG)
+
+
+def test_a_step_cancelled_in_the_averager_is_a_failed_round_not_a_crash():
+    """hivemind hands a step cancelled in its process back as asyncio.CancelledError, a BaseException."""
+    import asyncio
+
+    from p2p_diloco.round import OuterRound
+
+    class Cancelled:
+        def average(self, *args, **kwargs):
+            raise asyncio.CancelledError()
+
+    rnd = OuterRound(state=_state(0.0, 4), optimizer=OuterOptimizer(load_learner_config(None).outer),
+                     averaging=Cancelled(), local_params=[torch.ones(3)], tokens=64, inner_steps=1)
+    out = rnd.run()
+    assert not out.committed and "CancelledError" in out.reason

@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from p2p_diloco.config import AveragingConfig, ModelConfig  # noqa: E402
-from p2p_diloco.model import build_model  # noqa: E402
+from p2p_diloco.models import build_model  # noqa: E402
 
 SIZES: dict[str, ModelConfig] = {
     "small": ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=64),

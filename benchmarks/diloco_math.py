@@ -39,7 +39,7 @@ from p2p_diloco.config import ConfigError, load_learner_config  # noqa: E402
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
 from p2p_diloco.fragments import build_fragments, due_fragments  # noqa: E402
 from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
-from p2p_diloco.model import build_model  # noqa: E402
+from p2p_diloco.models import build_model  # noqa: E402
 from p2p_diloco.outer import (  # noqa: E402
     GlobalState,
     OuterOptimizer,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits
-from p2p_diloco.model import build_model
+from p2p_diloco.models import build_model
 
 
 def setup_rank(cfg: LearnerConfig, rank: int):

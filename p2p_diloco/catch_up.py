@@ -204,7 +204,7 @@ class CatchUp:
             logger.warning(f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a "
                            f"peer's v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} "
                            f"{new.sha256()[:12]} weighted by tokens")
-        self._rebase_onto(frag, ours, new)
+        self._rebase_onto(frag, ours, self.state.pin(new))
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new
         return True

@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--emit-compose", action="store_true", help="print docker-compose.yml for the topology and exit")
     r.add_argument("--cleanup", action="store_true",
                    help="remove namespaces and processes left behind by a crashed run, then exit")
+
+    e = sub.add_parser("export", help="write a checkpoint's global model: Hugging Face format (save_pretrained, "
+                                      "with its tokenizer), or a torch state dict and config for the built-in model")
+    e.add_argument("--checkpoint-dir", required=True, help="a learner's checkpoint directory (holding latest.pt)")
+    e.add_argument("--out", required=True, help="directory to write the model to (created if missing)")
     return parser
 
 
@@ -194,6 +199,13 @@ def _run_swarm(args: argparse.Namespace) -> int:
     return swarm_main(SwarmOptions(args.learners, args.config, args.max_outer_steps, Path(args.workdir), extra))
 
 
+def _run_export(args: argparse.Namespace) -> int:
+    from p2p_diloco.export import export  # torch (and transformers for HF models): only when exporting
+
+    export(args.checkpoint_dir, args.out)
+    return 0
+
+
 def _run_regions(args: argparse.Namespace) -> int:
     from p2p_diloco.regions.command import run_regions_command
 
@@ -205,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level)
     handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm,
-               "regions": _run_regions}[args.command]
+               "regions": _run_regions, "export": _run_export}[args.command]
     try:
         return handler(args)
     except UserError as e:

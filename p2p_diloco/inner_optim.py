@@ -11,6 +11,10 @@ tensors) in the same order, so both give bit-identical parameters, and its ``sta
 torch's layout (``state[i] = {step, exp_avg, exp_avg_sq}``), so checkpoints written with either
 load into the other (tests/unit/test_inner_optim.py). Hyperparameters come from the config, not
 from a checkpoint: a learner resumed with a new learning rate uses the new one.
+
+With ``foreach=True`` it performs ``torch.optim.AdamW``'s ``foreach=True`` operations instead (torch's
+choice for CUDA tensors): a handful of multi-tensor kernels per step instead of ~8 per parameter,
+which on a GPU is the difference between launch-bound and not (tests/unit/test_trainer_optim.py).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ class AdamW:
     """``torch.optim.AdamW`` (``foreach=False``) over one list of parameters, bit for bit (module docstring).
 
     The learner sets :attr:`lr` before every step (the schedule); the other hyperparameters are fixed.
+    ``foreach``: multi-tensor kernels, as ``torch.optim.AdamW(foreach=True)`` (for CUDA parameters).
     """
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, foreach: bool = False):
         self.params = list(params)
         if not self.params:
             raise ValueError("AdamW got an empty parameter list")
@@ -36,6 +41,7 @@ class AdamW:
         self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(map(float, betas)), float(eps), \
             float(weight_decay)
         self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self.foreach = foreach
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients: drop them (``set_to_none``, torch's default) or zero them in place."""
@@ -50,21 +56,15 @@ class AdamW:
     @torch.no_grad()
     def step(self) -> None:
         """One AdamW update, in place, of every parameter that has a gradient; refuses sparse gradients."""
+        if self.foreach:
+            self._step_foreach()
+            return
         lr, (beta1, beta2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         for i, param in enumerate(self.params):
             grad = param.grad
             if grad is None:
                 continue
-            if grad.is_sparse:
-                raise RuntimeError("AdamW does not support sparse gradients")
-            state = self.state.get(i)
-            if state is None:
-                state = self.state[i] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                }
-            exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+            exp_avg, exp_avg_sq, step_t = self._state_of(i, grad)
             step_t += 1
             if wd != 0:
                 param.mul_(1 - lr * wd)
@@ -77,10 +77,51 @@ class AdamW:
             denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
             param.addcdiv_(exp_avg, denom, value=-step_size)
 
+    def _state_of(self, i: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq, step) of parameter ``i``, created at its first gradient."""
+        if grad.is_sparse:
+            raise RuntimeError("AdamW does not support sparse gradients")
+        state = self.state.get(i)
+        if state is None:
+            param = self.params[i]
+            state = self.state[i] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
+        return state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+    def _step_foreach(self) -> None:
+        """:meth:`step` with torch's ``_multi_tensor_adam`` operations (decoupled weight decay, not capturable)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        for i, param in enumerate(self.params):
+            if param.grad is None:
+                continue
+            group = groups.setdefault((param.device, param.dtype), [[], [], [], [], []])
+            for column, t in zip(group, (param, param.grad, *self._state_of(i, param.grad)), strict=True):
+                column.append(t)
+        lr, (beta1, beta2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
+        for params, grads, exp_avgs, exp_avg_sqs, steps in groups.values():
+            torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)  # the step counts live on the CPU, as torch's
+            if wd != 0:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            counts = [s.item() for s in steps]
+            step_sizes = [(lr / (1 - beta1**n)) * -1 for n in counts]
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, [(1 - beta2**n) ** 0.5 for n in counts])
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the per-parameter state in torch's layout, with one param group of the current hyperparameters."""
+        """CPU copies of the per-parameter state in torch's layout, with one param group of the current hyperparameters.
+
+        CPU copies, so that a GPU learner's checkpoint holds no second copy of the state in device memory.
+        """
         return {
-            "state": {i: {k: v.clone() for k, v in s.items()} for i, s in self.state.items()},
+            "state": {i: {k: v.to("cpu", copy=True) for k, v in s.items()} for i, s in self.state.items()},
             "param_groups": [{"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                               "amsgrad": False, "maximize": False, "params": list(range(len(self.params)))}],
         }

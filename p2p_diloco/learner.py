@@ -4,7 +4,7 @@ The loop (:meth:`Learner.run`), top to bottom::
 
     set up (startup.py) → download the newest global state if the swarm is ahead (catch_up.py)
     repeat until every fragment's global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
-        one inner step on the local shard
+        one inner step on the local shard, on run.device (trainer.py)
         rounds.tick(): apply a round's result that is due, adopt downloads, start due fragments (rounds.py)
         every H steps: eval (every run.eval_every-th), log, publish progress (progress.py), checkpoint
     drain the rounds; on a signal, hand the unmerged steps over in parting rounds (parting.py)
@@ -36,9 +36,6 @@ from p2p_diloco import peer_log
 from p2p_diloco.checkpoint import FORMAT
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.faults import FaultPlan
-from p2p_diloco.lr_schedule import inner_lr
-from p2p_diloco.model import build_model
-from p2p_diloco.outer import load_into_module
 from p2p_diloco.parting import Leaving, hand_over, linger
 from p2p_diloco.startup import Parts, set_up
 
@@ -56,7 +53,6 @@ class Learner:
         self.leaving = Leaving(cfg.run.drain_seconds, stop)
         self.stop, self.leave_now = self.leaving.stop, self.leaving.leave_now
         self.target_loss_reached = False
-        self.lr_at = 0  # schedule position of the last inner step (logged with its lr)
         self._parts: Parts | None = None
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
 
@@ -92,21 +88,21 @@ class Learner:
 
     def _train(self) -> None:
         p, cfg = self.parts, self.cfg
-        c, h = p.state.counters, cfg.inner.steps_per_outer
+        c, h, t = p.state.counters, cfg.inner.steps_per_outer, p.trainer
         self.leaving.training = True
         losses: list[float] = []
-        started_at = time.perf_counter()
+        t.meter.reset()
         while not self.stop.is_set() and not self.finished():
             losses.append(self._inner_step())
             p.rounds.tick()
             if c.inner_steps % cfg.run.log_every == 0:
                 recent = losses[-cfg.run.log_every:]
                 logger.info(f"inner {c.inner_steps % h or h}/{h} loss {sum(recent) / len(recent):.4f} "
-                            f"({len(losses) / (time.perf_counter() - started_at):.1f} steps/s, "
-                            f"lr {p.trainer.inner_opt.lr:.2e} at schedule step {self.lr_at})")
+                            f"({t.meter.rates()}, lr {t.inner_opt.lr:.2e} at schedule step {t.lr_at})")
             if c.inner_steps % h == 0:
                 self._end_of_outer_step(losses)
-                losses, started_at = [], time.perf_counter()
+                losses = []
+                t.meter.reset()
         p.rounds.drain()
         self.checkpoint()  # keeps inner steps taken since the last round
         if self.stop.is_set() and not self.finished():
@@ -118,22 +114,16 @@ class Learner:
         p.writer.flush()
 
     def _inner_step(self) -> float:
+        """One inner step on the next local batch (:meth:`Trainer.step <p2p_diloco.trainer.Trainer.step>`) and
+        its bookkeeping: injected faults, compute time, the tokens and steps each fragment has not merged."""
         p, cfg = self.parts, self.cfg
-        c, t = p.state.counters, p.trainer
+        c = p.state.counters
         if self.faults.due("inner", p.state.version + 1):
             p.writer.flush()  # the fault hits the inner steps, not a checkpoint write still under way
         self.faults.fire("inner", p.state.version + 1)
         started = time.perf_counter()
-        t.model.train()
         x, y = p.data.sampler.next_batch()
-        _, loss = t.model(x, y)
-        t.inner_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(p.state.params, cfg.inner.grad_clip)
-        self.lr_at = t.lr_position.step(p.state.version)
-        t.inner_opt.lr = inner_lr(cfg.inner, self.lr_at, cfg.decay_steps)
-        t.inner_opt.step()
+        loss = p.trainer.step(x, y, p.state.version)
         if cfg.inner.extra_step_seconds:
             time.sleep(cfg.inner.extra_step_seconds)
         elapsed = time.perf_counter() - started
@@ -144,7 +134,7 @@ class Learner:
         for f in range(len(p.state.fragments)):
             c.tokens_since_merge[f] += x.numel()
             c.steps_since_merge[f] += 1
-        return loss.item()
+        return loss
 
     def _end_of_outer_step(self, losses: list[float]) -> None:
         p, cfg = self.parts, self.cfg
@@ -172,16 +162,9 @@ class Learner:
         return (self.target_loss_reached or p.catch_up.swarm_gone
                 or (target is not None and p.state.version >= target))
 
-    @torch.no_grad()
     def evaluate(self, params: list[torch.Tensor] | None = None) -> float:
-        """Mean loss on the fixed eval batches: of the local model, or of ``params`` (e.g. Θ) if given."""
-        model = self.parts.trainer.model
-        if params is not None:
-            model = build_model(self.cfg.model, self.cfg.run.seed)
-            load_into_module(model, params)
-        model.eval()
-        losses = [float(model(x, y)[1]) for x, y in self.parts.data.eval_batches]
-        return sum(losses) / len(losses)
+        """Mean loss on the fixed eval batches, on the device: of the local model, or of ``params`` (e.g. Θ)."""
+        return self.parts.trainer.evaluate(self.parts.data.eval_batches, params)
 
     def global_params(self) -> list[torch.Tensor]:
         """The global parameters Θ, in the model's parameter order."""
@@ -200,11 +183,9 @@ class Learner:
             "config": self.cfg.model_dump(),
             "global": [s.to_dict() for s in p.state.states],
             "unconfirmed": p.state.pending_for_checkpoint(p.rounds.in_limbo()),
-            "model": p.trainer.model.state_dict(),
-            "inner_opt": p.trainer.inner_opt.state_dict(),
+            **p.trainer.checkpoint_state(),  # model, inner_opt, lr_position
             "counters": vars(c).copy(),
             "sampler_cursor": p.data.sampler.cursor,
-            "lr_position": p.trainer.lr_position.state(),
         }
         version = p.state.version
         p.writer.submit(payload, before_rename=lambda: self.faults.fire("checkpoint", version))
@@ -223,6 +204,7 @@ class Learner:
             "last_eval_loss": self.evaluate(self.global_params()), "version": p.state.version,
             "versions": [s.version for s in states], "global_tokens": min(s.tokens for s in states),
             "fragment_sha256": [s.sha256() for s in states], "global_state_sha256": p.state.whole_sha256(),
+            **p.trainer.report(c.tokens, c.train_seconds),  # device, precision, parameters, tokens/s, MFU
         }
 
     def _shutdown(self) -> None:

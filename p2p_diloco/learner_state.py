@@ -81,6 +81,13 @@ class LearnerState:
     unconfirmed: dict[int, Unconfirmed] = field(default_factory=dict)  # fragment → outer gradient in limbo
     served: ServedState = field(default_factory=ServedState)
     peer_id: str = ""
+    # A learner training on CUDA keeps Θ and the outer momentum in pinned host memory: copies into θ
+    # on the device then go by DMA, without a staging copy (trainer.py, "What lives where").
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        for s in self.states:
+            self.pin(s)
 
     @property
     def version(self) -> int:
@@ -90,6 +97,19 @@ class LearnerState:
     def local(self, fragment: Fragment) -> list[torch.Tensor]:
         """θ_f: the local parameters of one fragment (views, trained in place)."""
         return [self.params[i] for i in fragment.tensor_indices]
+
+    def snapshot(self, fragment: Fragment) -> list[torch.Tensor]:
+        """θ_f copied to the CPU in fp32, wherever θ trains: the start of a round's outer gradient and of
+        the ``mix`` policy (the same bits as ``clone()`` for a CPU fp32 model)."""
+        return [p.detach().to("cpu", torch.float32, copy=True) for p in self.local(fragment)]
+
+    def pin(self, state: GlobalState) -> GlobalState:
+        """``state`` itself, its tensors moved to pinned memory first if :attr:`pin_memory` (a global state
+        from a round, a download or a checkpoint, before it becomes one of :attr:`states`)."""
+        if self.pin_memory:
+            state.params = [t if t.is_pinned() else t.pin_memory() for t in state.params]
+            state.momentum = [t if t.is_pinned() else t.pin_memory() for t in state.momentum]
+        return state
 
     def whole_sha256(self) -> str:
         """One hash of every fragment's global state: equal on learners holding the same model."""

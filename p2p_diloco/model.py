@@ -48,6 +48,8 @@ class Block(nn.Module):
 class ByteGPT(nn.Module):
     """GPT-2 style decoder over raw bytes. ``forward(idx, targets)`` returns (logits, loss)."""
 
+    vocab_size = VOCAB_SIZE  # read by p2p_diloco.models.vocab_size, as for the Hugging Face wrapper
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

@@ -104,7 +104,7 @@ class Rounds:
         window = self.grace.choose()
         task = InFlight(
             fragment=frag, apply_at=c.inner_steps + cfg.sync.overlap_steps,
-            snapshot=[p.detach().clone() for p in self.state.local(frag)], tokens=c.tokens_since_merge[f],
+            snapshot=self.state.snapshot(frag), tokens=c.tokens_since_merge[f],
             steps=c.steps_since_merge[f], window=window, state=self.state.states[f].copy(),
         )
         # The round works on a copy: the training thread reads and checkpoints the states while it
@@ -167,7 +167,7 @@ class Rounds:
     def _apply(self, task: InFlight) -> None:
         """A committed round's result becomes ours, on time or late: the one door for a round's result."""
         f, c = task.fragment.index, self.state.counters
-        self.state.states[f] = task.state
+        self.state.states[f] = self.state.pin(task.state)
         self.state.unconfirmed.pop(f, None)
         apply_result(self.state.local(task.fragment), task.state.params, task.snapshot, self.cfg.sync.apply_policy)
         c.outer_steps += 1

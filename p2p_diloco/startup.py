@@ -24,33 +24,36 @@ from pydantic import ValidationError
 from p2p_diloco import STARTED, peer_log
 from p2p_diloco.catch_up import CatchUp
 from p2p_diloco.checkpoint import CheckpointError, CheckpointWriter, claim_checkpoint_dir, load_checkpoint
-from p2p_diloco.config import LearnerConfig, ModelConfig
+from p2p_diloco.config import ConfigError, LearnerConfig, ModelConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.fragments import ClockSchedule, build_fragments
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.hivemind_averaging import HivemindAveraging
-from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
 from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
-from p2p_diloco.lr_schedule import SchedulePosition
-from p2p_diloco.model import build_model
-from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError
+from p2p_diloco.models import build_model, model_config_json, named_shapes, vocab_size
+from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
 from p2p_diloco.records import ProgressBoard
 from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
+from p2p_diloco.tokenizer import load_tokenizer
+from p2p_diloco.trainer import Trainer, resolve_placement
 
 logger = logging.getLogger(__name__)
 
 
-def lineage_id(cfg: LearnerConfig) -> str:
+def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None) -> str:
     """Hash of the settings that must agree for two learners to share one lineage of the model.
 
     Learners whose settings differ (model, seed, outer optimizer, fragments, codecs, merging rules)
     would produce different states from the same round; they use different DHT keys and never meet.
+    ``model_files`` (from :func:`build`) covers a Hugging Face model: its config.json and a hash of its
+    initial weights, which files or the transformers version may change under one seed. None for the
+    built-in model, whose Θ₀ the config and seed fix: its lineage id is what it was before HF models.
     """
     keys = {
         # Where a model's files lie and how a learner saves memory are its own business, not the lineage's.
@@ -61,6 +64,8 @@ def lineage_id(cfg: LearnerConfig) -> str:
         "steps_per_outer": cfg.inner.steps_per_outer, "schedule": cfg.sync.schedule,
         "period": cfg.sync.period_seconds if cfg.sync.schedule == "clock" else None,
     }
+    if model_files is not None:
+        keys["model_files"] = model_files
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -70,15 +75,6 @@ class LocalData:
     shard: int
     sampler: BatchSampler
     eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class Trainer:
-    """What inner steps need: the local model, its optimizer and the lr schedule's position."""
-
-    model: torch.nn.Module
-    inner_opt: AdamW
-    lr_position: SchedulePosition
 
 
 @dataclass
@@ -116,25 +112,31 @@ def load_data(cfg: LearnerConfig, shard: int) -> LocalData:
 
 
 def build(cfg: LearnerConfig) -> tuple[Trainer, LearnerState]:
-    """Model, fragments, global state and inner optimizer, from the config alone: no network."""
+    """Model (placed on ``run.device``), fragments, global state and trainer, from the config alone: no network."""
+    placement = resolve_placement(cfg.run)  # a device this machine lacks is refused before any work
     model = build_model(cfg.model, cfg.run.seed)
-    params = list(model.parameters())
+    tokens = load_tokenizer(cfg.data.tokenizer).vocab_size  # ids at or above the model's vocabulary cannot embed
+    if tokens > vocab_size(model):
+        raise ConfigError(f"data.tokenizer has {tokens} tokens, more than the model's vocabulary of "
+                          f"{vocab_size(model)}: use a tokenizer that fits or a model with a larger vocab_size")
     try:
-        fragments = build_fragments([(n, p.shape) for n, p in model.named_parameters()], cfg.sync.fragments,
-                                    cfg.inner.steps_per_outer)
+        fragments = build_fragments(named_shapes(model), cfg.sync.fragments, cfg.inner.steps_per_outer)
     except ValueError as e:
         raise LearnerError(f"sync.fragments: {e}") from None
     whole = GlobalState.from_module(model)
+    # Hashed before any checkpoint is restored: the lineage is named by where it started.
+    config_json = model_config_json(model)
+    model_files = None if config_json is None else {
+        "config": config_json, "init_sha256": state_sha256(whole.params, version=0, momentum_initialized=False)}
     states = [GlobalState(params=[whole.params[i] for i in f.tensor_indices],
                           momentum=[whole.momentum[i] for i in f.tensor_indices]) for f in fragments]
     for s in states:
         s.remember()
-    state = LearnerState(fragments=fragments, states=states, params=params)
+    trainer = Trainer(model, cfg, placement, model_files)  # moves the model to the device
+    state = LearnerState(fragments=fragments, states=states, params=trainer.params,
+                         pin_memory=placement.pin_memory)
     state.counters.resize(len(fragments))
-    inner_opt = AdamW(  # torch.optim.AdamW's arithmetic, without its 2-4 s import (inner_optim.py)
-        params, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay, betas=(cfg.inner.beta1, cfg.inner.beta2),
-    )
-    return Trainer(model, inner_opt, SchedulePosition(cfg.inner.steps_per_outer)), state
+    return trainer, state
 
 
 def check_compatible(cfg: LearnerConfig, payload: dict[str, Any], where: Path) -> None:
@@ -162,7 +164,7 @@ def restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, wher
 
 
 def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, where: Path) -> int:
-    state.states = [GlobalState.from_dict(g) for g in payload["global"]]
+    state.states = [state.pin(GlobalState.from_dict(g)) for g in payload["global"]]
     trainer.model.load_state_dict(payload["model"])
     trainer.inner_opt.load_state_dict(payload["inner_opt"])
     state.counters = Counters(**payload["counters"])
@@ -183,7 +185,7 @@ def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, whe
             state.unconfirmed[f] = Unconfirmed(int(u["version"]), list(u["snapshot"]), int(u["tokens"]),
                                                int(u["steps"]))
         elif c.tokens_since_merge[f] > 0:
-            snapshot = [p.detach().clone() for p in state.local(frag)]
+            snapshot = state.snapshot(frag)
             state.unconfirmed[f] = Unconfirmed(state.states[f].version, snapshot, c.tokens_since_merge[f],
                                                c.steps_since_merge[f])
     logger.info(f"resumed from {where} at version {state.version}")
@@ -225,7 +227,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     state.refresh_served()
     local_work = time.monotonic() - local_work
     waited = time.monotonic()
-    lineage, progress = _join(cfg, dht, state, payload)
+    lineage, progress = _join(cfg, dht, state, payload, trainer.model_files)
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
     waited = time.monotonic() - waited
@@ -259,13 +261,13 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer)
 
 
-def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState,
-          payload: dict[str, Any] | None) -> tuple[str, Progress]:
+def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict[str, Any] | None,
+          model_files: dict[str, str] | None) -> tuple[str, Progress]:
     wait_until_joined(dht)
     state.peer_id = str(dht.peer_id)
     peer_log.set_peer(state.peer_id[-6:])
     logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")
-    lineage = f"{cfg.network.run_id}-{lineage_id(cfg)}"
+    lineage = f"{cfg.network.run_id}-{lineage_id(cfg, model_files)}"
     logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
     progress = Progress(ProgressBoard(dht, lineage, cfg.network.record_ttl), state, cfg.network.record_ttl)
     # Announce ourselves at once, before the download, so that learners finishing the run see a

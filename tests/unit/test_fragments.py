@@ -3,7 +3,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig
 from p2p_diloco.fragments import build_fragments, due_fragments, partition
-from p2p_diloco.model import build_model
+from p2p_diloco.models import build_model
 
 
 def _named():

@@ -8,7 +8,7 @@ import torch
 
 from p2p_diloco.config import load_learner_config
 from p2p_diloco.inner_optim import AdamW
-from p2p_diloco.model import build_model
+from p2p_diloco.models import build_model
 
 SETTINGS = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 

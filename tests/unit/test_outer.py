@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
-from p2p_diloco.model import build_model
+from p2p_diloco.models import build_model
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, rebase, weighted_mean
 
 

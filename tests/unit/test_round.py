@@ -3,7 +3,7 @@ import threading
 import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
-from p2p_diloco.model import build_model
+from p2p_diloco.models import build_model
 from p2p_diloco.outer import GlobalState, OuterOptimizer, weighted_mean
 from p2p_diloco.round import OuterRound, Stage
 

@@ -40,13 +40,17 @@ from p2p_diloco.progress import Progress
 from p2p_diloco.records import ProgressBoard
 from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
-from p2p_diloco.tokenizer import load_tokenizer
+from p2p_diloco.tokenizer import Tokenizer, load_tokenizer
 from p2p_diloco.trainer import Trainer, resolve_placement
 
 logger = logging.getLogger(__name__)
 
+# Where a model's files lie and whether a learner saves memory are its own business: not the lineage's, and
+# a checkpoint resumes after either changed (the lineage covers the model files' contents instead).
+LOCAL_MODEL_FIELDS = {"path", "activation_checkpointing"}
 
-def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None) -> str:
+
+def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, tokenizer: str = "bytes") -> str:
     """Hash of the settings that must agree for two learners to share one lineage of the model.
 
     Learners whose settings differ (model, seed, outer optimizer, fragments, codecs, merging rules)
@@ -54,10 +58,11 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None) ->
     ``model_files`` (from :func:`build`) covers a Hugging Face model: its config.json and a hash of its
     initial weights, which files or the transformers version may change under one seed. None for the
     built-in model, whose Θ₀ the config and seed fix: its lineage id is what it was before HF models.
+    ``tokenizer``: the tokenizer's fingerprint (learners that cut text into different tokens train
+    different models); bytes, the default, adds nothing.
     """
     keys = {
-        # Where a model's files lie and how a learner saves memory are its own business, not the lineage's.
-        "model": cfg.model.model_dump(exclude={"path", "activation_checkpointing"}), "outer": cfg.outer.model_dump(),
+        "model": cfg.model.model_dump(exclude=LOCAL_MODEL_FIELDS), "outer": cfg.outer.model_dump(),
         "seed": cfg.run.seed,
         "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
         "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
@@ -66,6 +71,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None) ->
     }
     if model_files is not None:
         keys["model_files"] = model_files
+    if tokenizer != "bytes":
+        keys["tokenizer"] = tokenizer
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -99,23 +106,28 @@ class Parts:
         self.closer.close()
 
 
-def load_data(cfg: LearnerConfig, shard: int) -> LocalData:
-    """Shard ``shard`` and the eval split, read in one pass; DataError if either holds at most ``seq_len + 1`` bytes."""
-    splits = load_splits(cfg.data, [shard, None])
+def load_data(cfg: LearnerConfig, shard: int, tokenizer: Tokenizer) -> LocalData:
+    """Shard ``shard`` and the eval split as token ids, read in one pass; DataError if either holds at most
+    ``seq_len + 1`` tokens."""
+    splits = load_splits(cfg.data, [shard, None], tokenizer, min_tokens=cfg.model.seq_len + 2)
     train, evaluation = splits[shard], splits[None]
     if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
         raise DataError(f"data shard or eval split is shorter than model.seq_len ({cfg.model.seq_len})")
-    logger.info(f"shard {shard} holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
+    if tokenizer.kind == "bytes":
+        logger.info(f"shard {shard} holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
+    else:
+        logger.info(f"shard {shard} holds {len(train):,} tokens, eval split {len(evaluation):,} tokens")
     sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard)
     return LocalData(shard, sampler,
                      fixed_eval_batches(evaluation, cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches))
 
 
-def build(cfg: LearnerConfig) -> tuple[Trainer, LearnerState]:
+def build(cfg: LearnerConfig, tokenizer: Tokenizer | None = None) -> tuple[Trainer, LearnerState]:
     """Model (placed on ``run.device``), fragments, global state and trainer, from the config alone: no network."""
     placement = resolve_placement(cfg.run)  # a device this machine lacks is refused before any work
     model = build_model(cfg.model, cfg.run.seed)
-    tokens = load_tokenizer(cfg.data.tokenizer).vocab_size  # ids at or above the model's vocabulary cannot embed
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer)
+    tokens = tokenizer.vocab_size  # ids at or above the model's vocabulary cannot embed
     if tokens > vocab_size(model):
         raise ConfigError(f"data.tokenizer has {tokens} tokens, more than the model's vocabulary of "
                           f"{vocab_size(model)}: use a tokenizer that fits or a model with a larger vocab_size")
@@ -143,10 +155,11 @@ def check_compatible(cfg: LearnerConfig, payload: dict[str, Any], where: Path) -
     """Refuse (LearnerError) a checkpoint made with another model or number of fragments."""
     saved = payload["config"]
     try:  # fields added since the checkpoint was made take their defaults
-        saved_model = ModelConfig.model_validate(saved["model"]).model_dump()
+        saved_model = ModelConfig.model_validate(saved["model"]).model_dump(exclude=LOCAL_MODEL_FIELDS)
     except (ValidationError, KeyError, TypeError):
         saved_model = None
-    if saved_model != cfg.model.model_dump() or saved.get("sync", {}).get("fragments", 1) != cfg.sync.fragments:
+    same_model = saved_model == cfg.model.model_dump(exclude=LOCAL_MODEL_FIELDS)
+    if not same_model or saved.get("sync", {}).get("fragments", 1) != cfg.sync.fragments:
         raise LearnerError(f"checkpoint in {where} was made with a different model or fragments")
 
 
@@ -206,6 +219,13 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
             closer: contextlib.ExitStack) -> Parts:
     began = time.monotonic()
     torch.set_num_threads(cfg.run.threads)
+    # Bad input the user can fix is refused before the DHT and its p2pd start.
+    resolve_placement(cfg.run)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.path is not None:
+        from p2p_diloco.hf_model import read_config_json  # transformers: only for Hugging Face models
+
+        read_config_json(cfg.model.path)
     ckpt_dir, dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
     closer.callback(dir_lock.release)
     payload = load_checkpoint(ckpt_dir) if cfg.run.resume else None
@@ -217,8 +237,8 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
                     startup_timeout=net.startup_timeout, wait=False)
     closer.callback(dht.shutdown)
     local_work = time.monotonic()
-    data = load_data(cfg, cfg.data.shard_index) if cfg.data.shard_index is not None else None
-    trainer, state = build(cfg)
+    data = load_data(cfg, cfg.data.shard_index, tokenizer) if cfg.data.shard_index is not None else None
+    trainer, state = build(cfg, tokenizer)
     # The clock starts at the next slot of each fragment: made before the DHT wait, as slots open meanwhile.
     clock = (ClockSchedule(state.fragments, cfg.sync.period_seconds, get_dht_time())
              if cfg.sync.schedule == "clock" else None)
@@ -227,12 +247,12 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     state.refresh_served()
     local_work = time.monotonic() - local_work
     waited = time.monotonic()
-    lineage, progress = _join(cfg, dht, state, payload, trainer.model_files)
+    lineage, progress = _join(cfg, dht, state, payload, lineage_id(cfg, trainer.model_files, tokenizer.fingerprint))
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
     waited = time.monotonic() - waited
     if data is None:
-        data = load_data(cfg, shard_for_peer(dht.peer_id.to_bytes(), cfg.data.num_shards))
+        data = load_data(cfg, shard_for_peer(dht.peer_id.to_bytes(), cfg.data.num_shards), tokenizer)
     if cursor is not None:
         data.sampler.cursor = cursor
     logger.info(f"checkpoints in {ckpt_dir}; data shard {data.shard}/{cfg.data.num_shards}")
@@ -262,12 +282,12 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
 
 
 def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict[str, Any] | None,
-          model_files: dict[str, str] | None) -> tuple[str, Progress]:
+          lineage_hash: str) -> tuple[str, Progress]:
     wait_until_joined(dht)
     state.peer_id = str(dht.peer_id)
     peer_log.set_peer(state.peer_id[-6:])
     logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")
-    lineage = f"{cfg.network.run_id}-{lineage_id(cfg, model_files)}"
+    lineage = f"{cfg.network.run_id}-{lineage_hash}"
     logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
     progress = Progress(ProgressBoard(dht, lineage, cfg.network.record_ttl), state, cfg.network.record_ttl)
     # Announce ourselves at once, before the download, so that learners finishing the run see a

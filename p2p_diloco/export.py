@@ -36,7 +36,7 @@ from p2p_diloco.config import LearnerConfig, config_error
 from p2p_diloco.errors import UserError
 from p2p_diloco.fragments import build_fragments
 from p2p_diloco.learner_state import LearnerState
-from p2p_diloco.models import build_model, named_shapes
+from p2p_diloco.models import build_model, embedding_names, named_shapes
 from p2p_diloco.outer import GlobalState, StateFormatError, load_into_module
 
 logger = logging.getLogger("p2p_diloco.export")
@@ -74,7 +74,8 @@ def global_model(checkpoint_dir: str | Path) -> tuple[LearnerConfig, nn.Module]:
 def _load_theta(model: nn.Module, payload: dict[str, Any], cfg: LearnerConfig) -> None:
     # The local weights first, for the buffers a state dict may hold; then Θ over every parameter.
     model.load_state_dict(payload["model"])
-    fragments = build_fragments(named_shapes(model), cfg.sync.fragments, cfg.inner.steps_per_outer)
+    fragments = build_fragments(named_shapes(model), cfg.sync.fragments, cfg.inner.steps_per_outer,
+                                    embedding_names(model))
     states = [GlobalState.from_dict(g) for g in payload["global"]]
     if len(states) != len(fragments):
         raise ValueError(f"{len(states)} global states for {len(fragments)} fragments")

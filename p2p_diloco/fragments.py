@@ -20,7 +20,7 @@ slower ones' tokens still reach the global model in every round.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +56,14 @@ def partition(shapes: Sequence[torch.Size], num_fragments: int) -> list[list[int
 
 
 def build_fragments(
-    named_shapes: Sequence[tuple[str, torch.Size]], num_fragments: int, steps_per_outer: int
+    named_shapes: Sequence[tuple[str, torch.Size]], num_fragments: int, steps_per_outer: int,
+    embeddings: Collection[str] | None = None,
 ) -> list[Fragment]:
     """Split named parameter shapes into ``num_fragments`` balanced fragments (:func:`partition`), offsets spread
     evenly over ``steps_per_outer``. The same shapes give the same fragments on every learner.
+
+    ``embeddings``: the names of the embedding tables (they are averaged plainly, never with RDA); None
+    takes every name holding "emb", which fits the built-in model but not, say, GPT-2's ``wte``.
 
     >>> shapes = [("tok_emb.weight", torch.Size([256, 64])), ("ln.weight", torch.Size([64])),
     ...           ("head.weight", torch.Size([256, 64]))]
@@ -76,10 +80,14 @@ def build_fragments(
                 tensor_indices=tuple(indices),
                 numel=sum(int(torch.Size(named_shapes[i][1]).numel()) for i in indices),
                 offset=offset,
-                has_embedding=any("emb" in named_shapes[i][0] for i in indices),
+                has_embedding=any(_is_embedding(named_shapes[i][0], embeddings) for i in indices),
             )
         )
     return fragments
+
+
+def _is_embedding(name: str, embeddings: Collection[str] | None) -> bool:
+    return "emb" in name if embeddings is None else name in embeddings
 
 
 def due_fragments(fragments: Sequence[Fragment], step: int, steps_per_outer: int) -> list[Fragment]:

@@ -56,6 +56,13 @@ def model_config_json(model: nn.Module) -> str | None:
     return json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def embedding_names(model: nn.Module) -> set[str]:
+    """The names (as :func:`named_shapes` gives them) of the parameters that are embedding tables, found by
+    module type rather than by name: GPT-2's ``wte``/``wpe`` and Llama's ``embed_tokens`` alike."""
+    owned = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {n for n, p in model.named_parameters() if id(p) in owned}
+
+
 def named_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
     """(name, shape) of each parameter in module order, as fragments are built from them.
 

@@ -33,7 +33,7 @@ from p2p_diloco.grace import GraceWindow
 from p2p_diloco.hivemind_averaging import HivemindAveraging
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
 from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
-from p2p_diloco.models import build_model, model_config_json, named_shapes, vocab_size
+from p2p_diloco.models import build_model, embedding_names, model_config_json, named_shapes, vocab_size
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
@@ -132,7 +132,8 @@ def build(cfg: LearnerConfig, tokenizer: Tokenizer | None = None) -> tuple[Train
         raise ConfigError(f"data.tokenizer has {tokens} tokens, more than the model's vocabulary of "
                           f"{vocab_size(model)}: use a tokenizer that fits or a model with a larger vocab_size")
     try:
-        fragments = build_fragments(named_shapes(model), cfg.sync.fragments, cfg.inner.steps_per_outer)
+        fragments = build_fragments(named_shapes(model), cfg.sync.fragments, cfg.inner.steps_per_outer,
+                                    embedding_names(model))
     except ValueError as e:
         raise LearnerError(f"sync.fragments: {e}") from None
     whole = GlobalState.from_module(model)

@@ -170,3 +170,22 @@ def test_config_json_names_the_model_not_its_path(tmp_path):
     here, there = _tiny(0), build_model(ModelConfig(path=str(moved), seq_len=64), 0)
     assert model_config_json(here) == model_config_json(there) is not None
     assert json.loads(model_config_json(here))["hidden_size"] == 64
+
+
+def test_embedding_tables_are_found_by_module_type_not_by_name():
+    from p2p_diloco.fragments import build_fragments
+    from p2p_diloco.models import embedding_names
+
+    class GPT2Like(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = torch.nn.Embedding(10, 4), torch.nn.Embedding(8, 4)
+            self.proj = torch.nn.Linear(4, 4)
+
+    model = GPT2Like()
+    assert embedding_names(model) == {"wte.weight", "wpe.weight"}
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    frags = build_fragments(shapes, 3, 30, embedding_names(model))
+    by_name = {shapes[i][0]: f.has_embedding for f in frags for i in f.tensor_indices}
+    assert by_name["wte.weight"] and by_name["wpe.weight"] and not by_name["proj.weight"]
+    assert not any(f.has_embedding for f in build_fragments(shapes, 3, 30))  # by name alone: missed

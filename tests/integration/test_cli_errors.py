@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -42,3 +43,35 @@ def test_bad_initial_peer_of_a_bootstrap_node_is_a_clear_error(tmp_path):
     assert r.returncode == 2, r
     assert r.stderr.startswith("error: could not start or join the bootstrap DHT node")
     assert "Traceback" not in r.stderr
+
+
+def _bad_model_inputs(tmp):
+    """(case name, extra learner args) for each bad input of a real-model run, with the files they need."""
+    (tmp / "empty").mkdir()
+    (tmp / "alien").mkdir()
+    (tmp / "alien" / "config.json").write_text('{"model_type": "not-a-model"}')
+    (tmp / "small-vocab").mkdir()
+    config = json.loads((ROOT / "peers" / "models" / "llama-tiny" / "config.json").read_text())
+    (tmp / "small-vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    (tmp / "rows.jsonl").write_text("".join(json.dumps({"body": "x" * 200}) + "\n" for _ in range(200)))
+    (tmp / "tiny").mkdir()
+    (tmp / "tiny" / "a.txt").write_text("too little text\n")
+    return [
+        ("model directory without config.json", ["--model", str(tmp / "empty")], "config.json"),
+        ("architecture transformers does not know", ["--model", str(tmp / "alien")], "not-a-model"),
+        ("tokenizer bigger than the vocabulary", ["--model", str(tmp / "small-vocab"), "--tokenizer",
+                                                 "peers/tokenizers/bpe-4k"], "vocabulary"),
+        ("data file without the text field", ["--data", str(tmp / "rows.jsonl"), "--shard-index", "0"], "body"),
+        ("shard with too little text", ["--data", str(tmp / "tiny"), "--shard-index", "0"], "at least"),
+        ("cuda on a machine without it", ["--device", "cuda"], "cuda"),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_each_bad_input_of_a_real_model_run_is_one_line(tmp_path):
+    for name, extra, needle in _bad_model_inputs(tmp_path):
+        r = _run("learner", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--set", f"data.cache_dir={tmp_path / 'cache'}", *extra, timeout=120)
+        assert r.returncode == 2, (name, r)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, r.stderr)

@@ -6,7 +6,7 @@ point ``x + (a − x)`` is not always ``a``, and with compression each member ad
 rounding error, so members end close to, but not exactly at, the same average. It also quietly
 keeps a member's *local* values for the shard of a reducer that failed.
 
-This subclass changes three things and keeps the rest of hivemind's protocol (matchmaking, wire
+This subclass changes these things and keeps the rest of hivemind's protocol (matchmaking, wire
 format, timeouts, banning of failed senders):
 
 1. A reducer returns the averaged shard itself, and members **overwrite** their copy with it. Each
@@ -24,12 +24,16 @@ Incoming parts that are not finite are refused and their sender is banned from t
    committed round then holds each groupmate's outer gradient entirely, which is what lets a
    learner that did not see the commit tell from the round's contributors whether its progress is
    already in Θ (docs/resilience.md, "Exactly-once contributions").
+5. A reducer takes each sender's weight (and its clipping factor) from the group's gathered
+   metadata, never from the part: every reducer uses the same numbers, and a part claiming
+   ``weight=1e15`` counts like any other. Members whose contributions the group excluded
+   (:mod:`p2p_diloco.exclusion`) take part as hivemind's auxiliary peers with no shard: they send
+   nothing and reduce nothing, and parts from them are refused unread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator
 
 import torch
@@ -95,9 +99,15 @@ class AllOrNothingReducer(TensorPartReducer):
 
 
 class ExactAllReduceRunner(AllReduceRunner):
-    """:class:`AllReduceRunner` that returns averages (not deltas) identical across the group."""
+    """:class:`AllReduceRunner` that returns averages (not deltas) identical across the group.
 
-    def __init__(self, *, tensors, peer_fractions, ordered_peer_ids, p2p, **kwargs):
+    ``sender_weights`` and ``sender_scales`` (default 1.0): each sender's weight and clipping factor, in the
+    order of ``sender_peer_ids`` (the members that are not auxiliary), from the gathered metadata.
+    """
+
+    def __init__(self, *, tensors, peer_fractions, ordered_peer_ids, p2p, sender_weights, sender_scales=None,
+                 **kwargs):
+        # (unannotated like hivemind's: annotating would make mypy check a body built on untyped attributes)
         container_kwargs = {
             k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos") if k in kwargs
         }
@@ -115,6 +125,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._my_parts_with_info = list(self.tensor_part_container._input_parts_by_peer[my_index])
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
         self._codec = self.tensor_part_container.compression
+        # Aligned with sender_peer_ids: from the gathered metadata, the same at every reducer.
+        self.sender_weights = [float(w) for w in sender_weights]
+        self.sender_scales = [float(c) for c in sender_scales] if sender_scales else [1.0] * len(sender_weights)
+        if len(self.sender_weights) != len(self.sender_peer_ids) or len(self.sender_scales) != len(self.sender_weights):
+            raise ValueError(f"{len(self.sender_weights)} weights for {len(self.sender_peer_ids)} senders")
         self.faults: FaultPlan = FaultPlan()  # fault injection (tests): set by the averager
         self.round = 0  # the version this round produces, for fault matching
         self.bytes_sent = 0
@@ -193,9 +208,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(self.peer_id)
         try:
             for part_index, (part, info) in enumerate(self._my_parts_with_info):
-                part_as_sent = decode(self._codec.compress(part, info))
+                part_as_sent = self._clipped(decode(self._codec.compress(part, info)), sender_index)
                 averaged = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, part_as_sent, weight=self.weight
+                    sender_index, part_index, part_as_sent, weight=self.sender_weights[sender_index]
                 )
                 result = decode(self._compress_result(averaged))
                 self.tensor_part_container.register_processed_part(peer_index, part_index, result)
@@ -204,6 +219,19 @@ class ExactAllReduceRunner(AllReduceRunner):
             # wait for it until the all-reduce timeout.
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    def _clipped(self, part: torch.Tensor, sender_index: int) -> torch.Tensor:
+        scale = self.sender_scales[sender_index]
+        return part if scale == 1.0 else part * scale
+
+    async def rpc_aggregate_part(self, stream, context):
+        """Parts from a groupmate; refused unread from one that is no sender (an excluded contributor)."""
+        if context.remote_id not in self.sender_peer_ids:
+            logger.debug(f"refused parts from {context.remote_id}: its contribution is excluded from this round")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
 
     def _compress_result(self, averaged: torch.Tensor):
         return self._codec.compress(averaged, CompressionInfo.from_tensor(averaged))
@@ -215,8 +243,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.faults.fire("send", self.round)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        # Mirrors AllReduceRunner._accumulate_parts_streaming, but replies with the average itself
-        # and refuses non-finite inputs.
+        # Mirrors AllReduceRunner._accumulate_parts_streaming, but replies with the average itself,
+        # refuses non-finite inputs, and weighs each sender by its gathered weight, not the part's.
         part_index = 0
         loop = asyncio.get_event_loop()
         self._open_replies += 1
@@ -232,8 +260,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                     tensor_part is None
                     or msg.tensor_part.dtype != getattr(self._codec, "tag", msg.tensor_part.dtype)
                     or tensor_part.shape != expected
-                    or not math.isfinite(msg.weight)
-                    or msg.weight < 0
                     or not torch.isfinite(tensor_part).all()
                 ):
                     sender = self.sender_peer_ids[sender_index]
@@ -242,7 +268,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=msg.weight
+                        sender_index, part_index, self._clipped(tensor_part, sender_index),
+                        weight=self.sender_weights[sender_index],
                     )
                     part_index += 1
                 except BannedException:

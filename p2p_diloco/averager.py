@@ -1,7 +1,8 @@
 """hivemind's DecentralizedAverager, made to all-reduce one fragment per round exactly.
 
 :class:`OuterGradientAverager` runs :class:`~p2p_diloco.allreduce.ExactAllReduceRunner` on the tensors
-of the fragment named in the round's gathered metadata, refuses parts for groups it is not forming,
+of the fragment named in the round's gathered metadata, leaves out the contributions the group's
+metadata excludes (:mod:`p2p_diloco.exclusion`), refuses parts for groups it is not forming,
 and serves single fragments of the global state besides hivemind's whole-state download. It runs in
 hivemind's averager process; :class:`~p2p_diloco.hivemind_averaging.HivemindAveraging` is the learner's
 side of it.
@@ -31,6 +32,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
+from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.lifecycle import die_with_parent, serialize_requests
 from p2p_diloco.served import select_fragments
@@ -38,13 +40,20 @@ from p2p_diloco.served import select_fragments
 logger = get_logger(__name__)
 
 
+class ExcludedFromRound(MatchmakingException):
+    """The group excluded this learner's own contribution: it takes no part in the all-reduce and does not commit."""
+
+
 class OuterGradientAverager(DecentralizedAverager):
     """DecentralizedAverager running :class:`ExactAllReduceRunner` on one fragment per round.
 
     ``averaged_tensors`` holds buffers for every parameter; a round all-reduces only the tensors of
     the fragment named in the step's gathered metadata (``{"fragment": f, ...}``), compressed with
-    that fragment's codec. ``step()`` returns ``{"gathered": ..., "stats": ...}``: hivemind's gathered
-    metadata plus the all-reduce's seconds and bytes, measured inside the averager process.
+    that fragment's codec. ``step()`` returns ``{"gathered": ..., "stats": ..., "verdict": ...}``: hivemind's
+    gathered metadata, the all-reduce's seconds and bytes, measured inside the averager process, and
+    the :class:`~p2p_diloco.exclusion.Verdict` the all-reduce ran with (``rules``: the thresholds used
+    when no groupmate gathered any). A learner whose own contribution is excluded raises
+    :class:`ExcludedFromRound` before the all-reduce; the others run it without it.
 
     Besides hivemind's whole-state download it serves single fragments (``rpc_download_fragments``):
     a learner behind on one fragment fetches that fragment only, 1/P of the bytes.
@@ -64,9 +73,11 @@ class OuterGradientAverager(DecentralizedAverager):
         codecs: Sequence[CompressionBase],
         state_provider: StateProvider | None = None,
         faults: FaultPlan | None = None,
+        rules: Rules | None = None,
         **kwargs,
     ):
         self._state_provider = state_provider
+        self._rules = rules or Rules()
         self._faults = faults or FaultPlan()
         self._fault_round = 0
         self._fragments = [tuple(f) for f in fragments]
@@ -87,24 +98,44 @@ class OuterGradientAverager(DecentralizedAverager):
             fragment = _agreed_fragment(gathered, len(self._fragments))
             mine = gathered.get(self.peer_id)
             self._fault_round = int(mine.get("version", -1)) + 1 if isinstance(mine, dict) else 0
+            named = {str(p): m for p, m in gathered.items()}
+            verdict = judge(named, agreed_rules(named, self._rules))
+            self._leave_if_excluded(verdict, group_info, mine, fragment)
+            excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]
             modes = tuple(map(AveragingMode, mode_ids))
-            download_bandwidths = [
-                thr if mode != AveragingMode.CLIENT else 0.0 for thr, mode in zip(bandwidths, modes, strict=True)
+            download_bandwidths = [  # an excluded member reduces no shard
+                thr if mode != AveragingMode.CLIENT and not out else 0.0
+                for thr, mode, out in zip(bandwidths, modes, excluded, strict=True)
             ]
             indices = self._fragments[fragment]
             size = sum(self._averaged_tensors[i].numel() for i in indices)
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, size, download_bandwidths, min_vector_size
             )
+            kwargs.update(_runner_roles(group_info.peer_ids, peer_fractions, excluded, verdict))
             kwargs["compression"], kwargs["tensor_infos"] = self._codecs[fragment], None
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 tensors = [all_tensors[i] for i in indices]
                 await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=peer_fractions, **kwargs)
-            return {"gathered": gathered, "stats": self._round_stats.pop(group_info.group_id, {})}
+            return {"gathered": gathered, "stats": self._round_stats.pop(group_info.group_id, {}), "verdict": verdict}
+        except ExcludedFromRound:
+            raise
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"all-reduce failed: {e!r}")
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+    def _leave_if_excluded(self, verdict: Verdict, group_info, mine: Any, fragment: int) -> None:
+        """Raise :class:`ExcludedFromRound` if the group excluded our own contribution (nobody sends us parts)."""
+        exclusion = verdict.excluded.get(str(self.peer_id))
+        if exclusion is None:
+            return
+        running = self._running_groups.get(group_info.group_id)
+        if running is not None and not running.done():
+            running.cancel()  # registered for this group, never to run: not "an all-reduce that did not finish"
+        version = mine.get("version") if isinstance(mine, dict) else None
+        raise ExcludedFromRound(f"excluded {str(self.peer_id)[-6:]} from fragment {fragment} version {version}: "
+                                f"{exclusion.why}")
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -242,6 +273,21 @@ class OuterGradientAverager(DecentralizedAverager):
             return {}, [], None
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+
+def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: Verdict) -> dict[str, Any]:
+    """The runner's modes, and each sender's weight and clipping factor, all from the verdict.
+
+    Without exclusions the modes are the ones hivemind's runner derives itself (a peer with no
+    shard only sends); an excluded member is an auxiliary peer with no shard: it neither sends nor reduces.
+    """
+    modes = tuple(
+        AveragingMode.AUX if out else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
+        for fraction, out in zip(peer_fractions, excluded, strict=True)
+    )
+    senders = [str(p) for p, mode in zip(peer_ids, modes, strict=True) if mode != AveragingMode.AUX]
+    return {"modes": modes, "sender_weights": [verdict.weights[p] for p in senders],
+            "sender_scales": [verdict.part_scale(p) for p in senders]}
 
 
 def _agreed_fragment(gathered: dict, num_fragments: int) -> int:

@@ -9,10 +9,12 @@ tests implement it in-process. A round's failures are values the caller catches:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from p2p_diloco.exclusion import Verdict
 
 Served = tuple[dict[str, Any], list[torch.Tensor]]
 StateProvider = Callable[[], Served]
@@ -30,18 +32,27 @@ class RoundSuperseded(RoundFailed):
 class AverageResult:
     """What a successful :meth:`Averaging.average` returns.
 
-    ``deltas``: the group's averaged tensors, in the fragment's order; ``groupmates``: every member's gathered
-    metadata, ours included; ``allreduce_seconds``, ``bytes_sent``: the all-reduce's duration, what we sent.
+    ``deltas``: the average of the contributions that were not excluded, in the fragment's order;
+    ``groupmates``: every member's gathered metadata, ours and the excluded members' included;
+    ``allreduce_seconds``, ``bytes_sent``: the all-reduce's duration, what we sent; ``verdict``: who was
+    excluded from the round and why, and the weights and clipping the average used
+    (:func:`p2p_diloco.exclusion.judge` of ``groupmates``).
     """
     deltas: list[torch.Tensor]
     groupmates: dict[str, dict[str, Any]]  # peer id -> metadata it gathered (version, sha, tokens, ...)
     allreduce_seconds: float
     bytes_sent: int
+    verdict: Verdict = field(default_factory=Verdict)
 
     @property
     def group_size(self) -> int:
-        """Number of learners in the group, this one included."""
+        """Number of learners in the group, this one and any excluded ones included."""
         return len(self.groupmates)
+
+    @property
+    def contributors(self) -> list[str]:
+        """The peers whose outer gradients the average holds, sorted."""
+        return self.verdict.contributors(self.groupmates)
 
 
 @runtime_checkable
@@ -58,7 +69,9 @@ class Averaging(Protocol):
         grace: float | None = None,
     ) -> AverageResult:
         """Average ``deltas`` with a group at (``fragment``, ``version``); raise :class:`RoundFailed` if
-        none forms, :class:`RoundSuperseded` when the swarm moved past ``version`` meanwhile."""
+        none forms or the group excluded our contribution, :class:`RoundSuperseded` when the swarm moved
+        past ``version`` meanwhile. ``metadata`` is gathered to the group (with ``weight`` and what
+        :mod:`p2p_diloco.exclusion` needs added)."""
         ...
 
     def set_state_priority(self, version: int) -> None:

@@ -129,6 +129,14 @@ class AveragingConfig(_Section):
     next_chunk_timeout: float = Field(15.0, gt=0.0)
     compression: Codec = "none"
     max_delta_norm: float = Field(1e4, gt=0.0, description="reject averaged outer gradients above this norm")
+    norm_outlier_factor: float = Field(
+        8.0, ge=0.0, description="leave out of a round a contribution whose norm is above this many times the median "
+                                 "of the other contributions' norms (p2p_diloco/exclusion.py); 0 disables")
+    max_contribution_norm: float | None = Field(
+        None, gt=0.0, description="clip each contribution to this norm before it is averaged; None = no clipping")
+    ban_rounds: int = Field(3, ge=0, le=1000, description="how many of this learner's next rounds it bans a peer "
+                                                           "it saw excluded for a bad contribution (a ban counts "
+                                                           "when a majority of the group holds it)")
 
     @model_validator(mode="after")
     def _consistent(self) -> AveragingConfig:
@@ -139,6 +147,9 @@ class AveragingConfig(_Section):
             raise ValueError("request_timeout must be smaller than matchmaking_time")
         if self.round_timeout <= self.matchmaking_time:
             raise ValueError("round_timeout must be larger than matchmaking_time")
+        if 0 < self.norm_outlier_factor < 1:
+            raise ValueError("norm_outlier_factor must be 0 (off) or at least 1: below 1 it would leave out "
+                             "contributions smaller than the others' median")
         return self
 
 

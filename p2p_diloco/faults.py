@@ -5,6 +5,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     kill at round R during STAGE
     hang for S s at round R during STAGE
     drop for S s at round R during STAGE
+    poison at round R with nan|flip|scale X
 
 A *round R* is the round that produces global version R of a fragment (the R-th outer step).
 STAGE names where in the learner's life the fault fires:
@@ -26,11 +27,17 @@ serve          while serving its global state to a learner that downloads it (an
 (a helper process sends SIGCONT), like a machine that freezes and comes back.
 ``drop`` freezes only the learner's p2pd daemon for S seconds: all of its traffic stops while
 the learner itself trains on, like a machine whose network link goes down.
+``poison`` corrupts the learner's outer gradient Δ where the round computes it, in **every** round
+from R on (a broken learner stays broken): ``nan`` makes every value NaN (training that diverged),
+``flip`` negates Δ (a learner that climbs the loss), ``scale X`` multiplies it by X (exploding
+updates). The round then gathers the corrupted Δ's norm, as an honest but broken learner would.
 
 Example, as a test would write it::
 
     >>> FaultPlan.parse("kill at round 3 during reduce").faults[0]
-    Fault(action='kill', round=3, stage='reduce', seconds=0.0)
+    Fault(action='kill', round=3, stage='reduce', seconds=0.0, mode='', factor=1.0)
+    >>> FaultPlan.parse("poison at round 2 with scale 1e6").faults[0]
+    Fault(action='poison', round=2, stage='delta', seconds=0.0, mode='scale', factor=1000000.0)
 """
 
 from __future__ import annotations
@@ -40,12 +47,20 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI checks a plan without loading torch
+    import torch
 
 STAGES = ("inner", "matchmaking", "send", "reduce", "receive", "commit", "checkpoint", "serve")
 _LINE = re.compile(
     r"^\s*(?P<action>kill|hang|drop)(?:\s+for\s+(?P<seconds>\d+(?:\.\d+)?)\s*s)?\s+at\s+round\s+(?P<round>\d+)"
     r"\s+during\s+(?P<stage>[a-z]+)\s*$"
+)
+_POISON = re.compile(
+    r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale)(?:\s+(?P<factor>\S+))?\s*$"
 )
 
 
@@ -55,11 +70,14 @@ class FaultPlanError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    """One scripted failure: ``action`` at ``round`` during ``stage``; ``seconds``: how long a hang or drop lasts."""
+    """One scripted failure: ``action`` at ``round`` during ``stage``; ``seconds``: how long a hang or drop lasts;
+    ``mode`` and ``factor``: how a poison corrupts Δ (its stage is ``delta``)."""
     action: str
     round: int
     stage: str
     seconds: float = 0.0
+    mode: str = ""
+    factor: float = 1.0
 
 
 @dataclass
@@ -81,6 +99,9 @@ class FaultPlan:
         for line in (text or "").replace(";", "\n").splitlines():
             if not line.strip():
                 continue
+            if line.strip().startswith("poison"):
+                faults.append(_parse_poison(line))
+                continue
             m = _LINE.match(line)
             if not m:
                 raise FaultPlanError(
@@ -96,6 +117,22 @@ class FaultPlan:
 
     def __bool__(self) -> bool:
         return bool(self.faults)
+
+    def poison(self, deltas: Sequence[torch.Tensor], round_: int) -> list[torch.Tensor]:
+        """``deltas`` as the plan's first poison due at ``round_`` (or any earlier round) corrupts them.
+
+        Unchanged (the same tensors) when none is due; the first corruption by each poison is announced.
+        """
+        import torch
+        for i, f in enumerate(self.faults):
+            if f.action == "poison" and f.round <= round_:
+                if i not in self._fired:
+                    self._fired.add(i)
+                    print(f"fault injection: poison with {f.mode} from round {f.round}", file=sys.stderr, flush=True)
+                if f.mode == "nan":
+                    return [torch.full_like(d, float("nan")) for d in deltas]
+                return [d * (-1.0 if f.mode == "flip" else f.factor) for d in deltas]
+        return list(deltas)
 
     def _next(self, stage: str, round_: int) -> int | None:
         for i, f in enumerate(self.faults):
@@ -114,6 +151,19 @@ class FaultPlan:
         if i is not None:
             self._fired.add(i)
             _execute(self.faults[i])
+
+
+def _parse_poison(line: str) -> Fault:
+    m = _POISON.match(line)
+    if not m:
+        raise FaultPlanError(f"fault {line.strip()!r}: expected 'poison at round R with nan|flip|scale X'")
+    if (m["mode"] == "scale") != (m["factor"] is not None):
+        raise FaultPlanError(f"fault {line.strip()!r}: 'scale' takes a factor ('scale 1e6'), nan and flip none")
+    try:
+        factor = float(m["factor"]) if m["factor"] is not None else 1.0
+    except ValueError:
+        raise FaultPlanError(f"fault {line.strip()!r}: {m['factor']!r} is not a number") from None
+    return Fault("poison", int(m["round"]), "delta", mode=m["mode"], factor=factor)
 
 
 def _execute(fault: Fault) -> None:

@@ -3,12 +3,17 @@
 Matchmaking is keyed by the global version: before each round the averager's group bits are set
 to (fragment, binary version number), so only learners that hold the same version of the same
 fragment look for each other (hivemind's group key is ``{prefix}.0b{bits}``).
+
+Each round gathers, besides the round's own metadata, the weight the all-reduce uses, this
+learner's robust-merging rules and its current bans; the group decides from them whose
+contributions it leaves out (:mod:`p2p_diloco.exclusion`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import threading
 import time
@@ -22,11 +27,13 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time, get_logger
 
-from p2p_diloco.averager import OuterGradientAverager
+from p2p_diloco.averager import ExcludedFromRound, OuterGradientAverager
 from p2p_diloco.averaging import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
 from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.exclusion import Bans, Rules, Verdict
 from p2p_diloco.faults import FaultPlan
+from p2p_diloco.merging import global_norm
 
 logger = get_logger(__name__)
 
@@ -61,6 +68,8 @@ class HivemindAveraging:
     _averager: OuterGradientAverager = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # one round at a time
     _superseded_by: int | None = field(init=False, default=None)
+    _bans: Bans = field(init=False)
+    _last_verdict: Verdict | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
@@ -70,6 +79,7 @@ class HivemindAveraging:
         if not any(isinstance(f, _FailedStepToDebug) for f in averager_logger.filters):
             averager_logger.addFilter(_FailedStepToDebug())
         self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
+        self._bans = Bans(self.cfg.ban_rounds)
         if self.fragments is None:
             self.fragments = [tuple(range(len(self._buffers)))]
         names = list(self.codecs) if self.codecs else [self.cfg.compression] * len(self.fragments)
@@ -81,6 +91,7 @@ class HivemindAveraging:
             codecs=[get_codec(name) for name in names],
             state_provider=self.state_provider,
             faults=self.faults,
+            rules=self._rules(),
             start=True,
             prefix=self.prefix,
             min_group_size=self.cfg.min_group_size,
@@ -118,40 +129,65 @@ class HivemindAveraging:
         """Average one fragment's ``deltas`` with a group at (fragment, version).
 
         ``grace``: how long the leader may wait for groupmates beyond the quorum (at least the
-        configured matchmaking time, hivemind's own minimum).
+        configured matchmaking time, hivemind's own minimum). ``metadata`` without a ``norm`` gathers
+        the norm of ``deltas``. Every call counts as one round of this learner's
+        :class:`~p2p_diloco.exclusion.Bans`.
         """
+        with self._lock:  # one round at a time
+            # The previous round's exclusions become bans as this round starts, after that round logged them.
+            self._bans.after_round(self._last_verdict, self.peer_id)
+            self._last_verdict = None
+            result = self._average(deltas, weight, metadata, version, fragment, grace)
+            self._last_verdict = result.verdict
+            return result
+
+    def _rules(self) -> Rules:
+        return Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm)
+
+    def _gathered(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any],
+                  fragment: int) -> dict[str, Any]:
+        """What this learner gathers to its group for one round."""
+        if "norm" not in metadata:
+            norm = global_norm(deltas)
+            metadata = {**metadata, "norm": norm, "finite": math.isfinite(norm)}
+        return {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
+                "bans": self._bans.listed()}
+
+    def _average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any], version: int,
+                 fragment: int, grace: float | None) -> AverageResult:
         assert self.fragments is not None  # set in __post_init__
         indices = self.fragments[fragment]
-        with self._lock:
-            with self._averager.get_tensors() as buffers:
-                for i, d in zip(indices, deltas, strict=True):
-                    buffers[i].copy_(d)
-            scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
-            timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
-            self._averager.set_group_bits(group_bits(fragment, version))
-            control = self._averager.step(
-                weight=float(weight), gather={**metadata, "fragment": fragment}, timeout=timeout,
-                scheduled_time=scheduled, wait=False,
-                # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
-                # group bits and could pair us with learners at other versions: one attempt per round.
-                allow_retries=False,
-            )
-            self._watch_for_newer_version(control, fragment, version + 1)
-            try:
-                result = control.result()
-            except _STEP_FAILURES as e:  # hivemind raises a zoo of types here; all mean "no average"
-                # A cancelled step's future is done at once, but its coroutine in the averager may still
-                # be matchmaking; the next round's step would then share the matchmaker with it (seen in
-                # a 2 Mbit/s benchmark run: a group of fragment 0 with a member gathering fragment 1).
-                # Let it end first.
-                _wait_until_finished(control, self.cfg.request_timeout + self.cfg.matchmaking_time)
-                if control.cancelled() and self._superseded_by is not None:
-                    raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
-                raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
-            if not result:
-                raise RoundFailed("no group formed within the round window")
-            with self._averager.get_tensors() as buffers:
-                averaged = [buffers[i].clone() for i in indices]
+        with self._averager.get_tensors() as buffers:
+            for i, d in zip(indices, deltas, strict=True):
+                buffers[i].copy_(d)
+        scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
+        timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
+        self._averager.set_group_bits(group_bits(fragment, version))
+        control = self._averager.step(
+            weight=float(weight), gather=self._gathered(deltas, weight, metadata, fragment), timeout=timeout,
+            scheduled_time=scheduled, wait=False,
+            # A retry after a failed all-reduce would re-enter matchmaking with hivemind's randomized
+            # group bits and could pair us with learners at other versions: one attempt per round.
+            allow_retries=False,
+        )
+        self._watch_for_newer_version(control, fragment, version + 1)
+        try:
+            result = control.result()
+        except _STEP_FAILURES as e:  # hivemind raises a zoo of types here; all mean "no average"
+            # A cancelled step's future is done at once, but its coroutine in the averager may still
+            # be matchmaking; the next round's step would then share the matchmaker with it (seen in
+            # a 2 Mbit/s benchmark run: a group of fragment 0 with a member gathering fragment 1).
+            # Let it end first.
+            _wait_until_finished(control, self.cfg.request_timeout + self.cfg.matchmaking_time)
+            if control.cancelled() and self._superseded_by is not None:
+                raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
+            if isinstance(e, ExcludedFromRound):
+                raise RoundFailed(str(e)) from None
+            raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
+        if not result:
+            raise RoundFailed("no group formed within the round window")
+        with self._averager.get_tensors() as buffers:
+            averaged = [buffers[i].clone() for i in indices]
         if self.faults is not None:
             self.faults.fire("commit", version + 1)
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
@@ -161,6 +197,7 @@ class HivemindAveraging:
             groupmates=groupmates,
             allreduce_seconds=float(stats.get("seconds", 0.0)),
             bytes_sent=int(stats.get("bytes_sent", 0)),
+            verdict=result.get("verdict") or Verdict(),
         )
 
     def searching_peers(self, fragment: int, version: int) -> int:

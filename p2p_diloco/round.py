@@ -1,8 +1,9 @@
 """One outer round of one learner, as an object with explicit stages.
 
-    PREPARED  → Δ = Θ − θ computed, weight = tokens since the last merge
-    AVERAGING → matchmaking and all-reduce with a group at the same version (network)
-    VALIDATED → groupmates held our exact global state; averaged Δ finite and of sane norm
+    PREPARED  → Δ = Θ − θ computed, its norm and weight (tokens since the last merge) known
+    AVERAGING → matchmaking and all-reduce with a group at the same version (network); contributions that
+                fail the group's checks (p2p_diloco/exclusion.py) are left out of the average
+    VALIDATED → contributors held our exact global state; averaged Δ finite and of sane norm
     APPLIED   → outer Nesterov step on Θ, version + 1
     FAILED    → nothing was committed; the learner keeps its θ and its Δ grows until a later round
 
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
-from p2p_diloco.merging import rda_combine, to_unit
+from p2p_diloco.exclusion import Verdict
+from p2p_diloco.merging import global_norm, rda_combine, to_unit
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,8 @@ class Stage(enum.Enum):
 
 @dataclass
 class RoundOutcome:
-    """How a round ended: its last stage, why it failed (``reason``), its group, seconds, bytes sent, and the
-    fragment's version afterwards.
+    """How a round ended: its last stage, why it failed (``reason``), its group (``group_size``: the contributors,
+    without members whose contributions were excluded), seconds, bytes sent, and the fragment's version afterwards.
     """
     stage: Stage
     reason: str = ""
@@ -79,14 +81,21 @@ class OuterRound:
 
     def __post_init__(self) -> None:
         self._delta = pseudo_gradient(self.state.params, self.local_params)
+        # Test-only faults travel with the averaging object (the learner hands its plan there).
+        faults = getattr(self.averaging, "faults", None)
+        if faults:
+            self._delta = faults.poison(self._delta, self.state.version + 1)
         if self.weight is None:
             self.weight = float(self.tokens)
         if self.rda:
             self._delta, self._norm = to_unit(self._delta)
+        else:
+            self._norm = global_norm(self._delta)
 
     def metadata(self) -> dict[str, Any]:
         """What this learner gathers to its group: version and hash of the state it holds, tokens, inner steps,
-        weight, and Δ's norm (0 without RDA). Groupmates must agree on version and hash.
+        weight, Δ's global L2 norm (fp64) and whether Δ is finite, and whether it sends Δ/‖Δ‖ (RDA).
+        Groupmates must agree on version and hash; the norms decide who is left out (:mod:`p2p_diloco.exclusion`).
         """
         return {
             "version": self.state.version,
@@ -95,6 +104,8 @@ class OuterRound:
             "steps": int(self.inner_steps),
             "weight": float(self.weight or 0.0),
             "norm": float(self._norm),
+            "finite": math.isfinite(self._norm),
+            "unit": bool(self.rda),
         }
 
     def run(self) -> RoundOutcome:
@@ -126,26 +137,36 @@ class OuterRound:
             return outcome
         except RoundFailed as e:
             return self._fail(str(e))
-        problem = self._check_group(result.groupmates, meta)
+        self._log_exclusions(result.verdict)
+        contributors = result.contributors
+        mates = {p: result.groupmates[p] for p in contributors}
+        problem = self._check_group(mates, meta) if mates else "every contribution was excluded"
         averaged = result.deltas
         if not problem and self.rda:
-            mates = [result.groupmates[p] for p in sorted(result.groupmates)]
-            averaged = rda_combine(averaged, [m["norm"] for m in mates], [m["weight"] for m in mates])
+            norms = [mates[p]["norm"] * result.verdict.scale(p) for p in contributors]
+            averaged = rda_combine(averaged, norms, [mates[p]["weight"] for p in contributors])
         problem = problem or self._check_delta(averaged)
         if problem:
-            return self._fail(problem, group_size=result.group_size)
+            return self._fail(problem, group_size=len(contributors))
         self.stage = Stage.VALIDATED
-        group_tokens = sum(int(m.get("tokens", 0)) for m in result.groupmates.values())
+        group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
         self.optimizer.apply(self.state, averaged, tokens=group_tokens)
-        self.state.record_contributors(self.state.version, result.groupmates)
+        self.state.record_contributors(self.state.version, contributors)
         self.stage = Stage.APPLIED
         return RoundOutcome(
             stage=self.stage,
-            group_size=result.group_size,
+            group_size=len(contributors),
             group_tokens=group_tokens,
             allreduce_seconds=result.allreduce_seconds,
             bytes_sent=result.bytes_sent,
         )
+
+    def _log_exclusions(self, verdict: Verdict) -> None:
+        """One line per excluded groupmate: WARNING for what it sent, INFO when only its groupmates' bans exclude it."""
+        for peer, exclusion in sorted(verdict.excluded.items()):
+            logger.log(logging.INFO if exclusion.banned else logging.WARNING,
+                       f"excluded {peer[-6:]} from fragment {self.fragment} version {self.state.version}: "
+                       f"{exclusion.why}")
 
     def _fail(self, reason: str, group_size: int = 0) -> RoundOutcome:
         self.stage = Stage.FAILED

@@ -1,5 +1,6 @@
 """An in-process stand-in for the network (the whole :class:`~p2p_diloco.averaging.Averaging` interface):
-members of one group meet at a barrier; searches and served states are what the test sets."""
+members of one group meet at a barrier; searches and served states are what the test sets. The group
+leaves out contributions as the real one does (:func:`p2p_diloco.exclusion.judge` of what its members gathered)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,22 @@ import threading
 import torch
 
 from p2p_diloco.averaging import AverageResult, RoundFailed, Served
+from p2p_diloco.exclusion import Rules, Verdict, judge
 from p2p_diloco.outer import weighted_mean
 
 
 class FakeGroup:
-    """``size`` members that call average() concurrently get the exact weighted mean."""
+    """``size`` members that call average() concurrently get the exact weighted mean of the contributions
+    that ``rules`` do not exclude; an excluded member's round fails."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, rules: Rules | None = None):
         self.size = size
+        self.rules = rules or Rules()
         self._barrier = threading.Barrier(size, timeout=10)
         self._lock = threading.Lock()
         self._inputs: dict[str, tuple] = {}
         self._result: list[torch.Tensor] | None = None
+        self._verdict = Verdict()
 
     def member(self, name: str) -> FakeAveraging:
         return FakeAveraging(self, name)
@@ -27,8 +32,10 @@ class FakeGroup:
 
 class FakeAveraging:
     def __init__(self, group: FakeGroup | None = None, name: str = "me", fail: bool = False,
-                 searching: dict[tuple[int, int], int] | None = None, serves: dict[str | None, Served] | None = None):
+                 searching: dict[tuple[int, int], int] | None = None, serves: dict[str | None, Served] | None = None,
+                 faults=None):
         self.group, self.name, self.fail = group, name, fail
+        self.faults = faults  # a FaultPlan: rounds poison their Δ through it
         self.searching = searching or {}  # (fragment, version) → peers searching for a group there
         self.serves = serves or {}  # peer → what it serves (None: the answer to "any peer")
         self.priority: int | None = None
@@ -55,20 +62,27 @@ class FakeAveraging:
             raise RoundFailed("no group formed within the round window")
         g = self.group
         with g._lock:
-            g._inputs[self.name] = ([d.clone() for d in deltas], weight, dict(metadata))
+            g._inputs[self.name] = ([d.clone() for d in deltas], weight, {**metadata, "weight": float(weight)})
         g._barrier.wait()
         with g._lock:
             if g._result is None:
-                names = sorted(g._inputs)
-                g._result = weighted_mean([g._inputs[n][0] for n in names], [g._inputs[n][1] for n in names])
+                gathered = {n: v[2] for n, v in g._inputs.items()}
+                g._verdict = verdict = judge(gathered, g.rules)
+                names = verdict.contributors(gathered)
+                clipped = [[d * verdict.part_scale(n) for d in g._inputs[n][0]] for n in names]
+                g._result = weighted_mean(clipped, [verdict.weights[n] for n in names]) if names else []
         g._barrier.wait()
         result = AverageResult(
             deltas=[t.clone() for t in g._result],
             groupmates={n: v[2] for n, v in g._inputs.items()},
             allreduce_seconds=0.0,
             bytes_sent=0,
+            verdict=g._verdict,
         )
         if g._barrier.wait() == 0:
             g._inputs, g._result = {}, None
         g._barrier.wait()
+        if self.name in result.verdict.excluded:
+            raise RoundFailed(f"excluded {self.name} from fragment {fragment} version {version}: "
+                              f"{result.verdict.excluded[self.name].why}")
         return result

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from p2p_diloco.faults import Fault, FaultPlan, FaultPlanError
 
@@ -33,3 +34,25 @@ def test_each_fault_fires_once_and_only_where_it_matches(monkeypatch):
     assert not plan.due("send", 2)
     plan.fire("serve", 5)  # serving fires at any round from R on
     assert fired[-1] == Fault("hang", 3, "serve", 1.0)
+
+
+def test_poison_corrupts_the_outer_gradient_from_its_round_on(capsys):
+    plan = FaultPlan.parse("poison at round 2 with scale 1e6")
+    assert plan.faults == [Fault("poison", 2, "delta", mode="scale", factor=1e6)]
+    delta = [torch.ones(3), torch.full((2,), -2.0)]
+    assert plan.poison(delta, 1)[0] is delta[0]  # not yet
+    for round_ in (2, 3, 9):  # from round 2 on, every round
+        assert [t.tolist() for t in plan.poison(delta, round_)] == [[1e6] * 3, [-2e6] * 2]
+    assert capsys.readouterr().err.count("fault injection: poison with scale from round 2") == 1
+    assert all(torch.isnan(t).all() for t in FaultPlan.parse("poison at round 1 with nan").poison(delta, 1))
+    assert FaultPlan.parse("poison at round 1 with flip").poison(delta, 4)[1].tolist() == [2.0, 2.0]
+    assert not plan.due("inner", 2)  # a poison is no event: kill, hang and drop fire, poison corrupts
+
+
+@pytest.mark.parametrize("bad", ["poison at round 2 with scale", "poison at round 2 with nan 3",
+                                 "poison at round 2 with scale x", "poison at round 2 with salt",
+                                 "poison at round two with nan"])
+def test_bad_poisons_are_refused_with_one_line(bad):
+    with pytest.raises(FaultPlanError) as e:
+        FaultPlan.parse(bad)
+    assert "\n" not in str(e.value)

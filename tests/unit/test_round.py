@@ -1,8 +1,13 @@
+import logging
 import threading
 
+import pytest
 import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
+from p2p_diloco.exclusion import Rules
+from p2p_diloco.faults import FaultPlan
+from p2p_diloco.merging import global_norm
 from p2p_diloco.models import build_model
 from p2p_diloco.outer import GlobalState, OuterOptimizer, weighted_mean
 from p2p_diloco.round import OuterRound, Stage
@@ -103,3 +108,75 @@ def test_the_fake_implements_the_whole_averaging_interface():
     from p2p_diloco.averaging import Averaging
 
     assert isinstance(FakeAveraging(), Averaging)
+
+
+def _group_round(group: FakeGroup, poison: str | None, rda: bool = False):
+    """Learners 0-2 honest, learner 3 poisoned from round 1 on; returns (learners, outcomes)."""
+    learners = [_learner(s) for s in (1.0, 2.0, 3.0, 4.0)]
+    tokens = [100, 200, 700, 400]
+    outcomes: list = [None] * 4
+
+    def go(i):
+        state, params = learners[i]
+        faults = FaultPlan.parse(f"poison at round 1 with {poison}") if i == 3 and poison else None
+        member = group.member(str(i))
+        member.faults = faults
+        outcomes[i] = OuterRound(state, OuterOptimizer(OuterConfig()), member, params, tokens[i], 10, rda=rda).run()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    return learners, outcomes, tokens
+
+
+@pytest.mark.parametrize(("poison", "why"), [("nan", "its outer gradient is not finite"),
+                                             ("scale 1e6", "x the median"), ("flip", None)])
+def test_a_poisoned_contribution_is_left_out_and_the_others_commit_without_it(poison, why, caplog):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.round"):
+        learners, outcomes, tokens = _group_round(FakeGroup(4), poison)
+    if why is None:  # a sign flip keeps its norm: nothing in the metadata tells it apart (robust aggregation would)
+        assert all(o.committed for o in outcomes)
+        return
+    assert [o.committed for o in outcomes] == [True, True, True, False]
+    assert outcomes[3].reason.startswith("excluded 3 from fragment 0 version 0: ") and why in outcomes[3].reason
+    assert all(o.group_size == 3 and o.group_tokens == 1000 for o in outcomes[:3])
+    honest = [s for s, _ in learners[:3]]
+    assert len({s.sha256() for s in honest}) == 1 and all(s.version == 1 for s in honest)
+    assert honest[0].contributors == [(1, ("0", "1", "2"))]
+    assert learners[3][0].version == 0
+    # The committed Θ is the outer step on the token-weighted mean of the three honest Δ only.
+    ref_state, _ = _learner(0.0)
+    deltas = [[g - p.detach() for g, p in zip(ref_state.params, params, strict=True)] for _, params in
+              [_learner(s) for s in (1.0, 2.0, 3.0)]]
+    OuterOptimizer(OuterConfig()).apply(ref_state, weighted_mean(deltas, tokens[:3]))
+    assert all(torch.equal(a, b) for a, b in zip(honest[0].params, ref_state.params, strict=True))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("excluded 3")]
+    assert len(lines) == 3 and all(why in line for line in lines)  # one line at each honest member
+
+
+def test_clipping_bounds_each_contribution_plain_and_radial():
+    cap = 1e-3
+    learners, outcomes, _ = _group_round(FakeGroup(4, Rules(0.0, max_contribution_norm=cap)), "scale 1e6")
+    assert all(o.committed for o in outcomes)  # the outlier rule is off: clipping alone bounds the big one
+    step = [a - b for a, b in zip(_learner(0.0)[0].params, learners[0][0].params, strict=True)]
+    # Outer SGD with Nesterov from zero momentum: Θ moves by lr·(1 + momentum)·Δ̄, and ‖Δ̄‖ ≤ cap.
+    assert global_norm(step) <= 0.7 * 1.9 * cap * (1 + 1e-5)
+
+    captured = []
+
+    class Capture(OuterOptimizer):
+        def apply(self, state, deltas, tokens=0):
+            captured.append(global_norm(deltas))
+            super().apply(state, deltas, tokens=tokens)
+
+    group = FakeGroup(2, Rules(0.0, max_contribution_norm=cap))
+    pair = [_learner(s) for s in (1.0, 2.0)]
+    norms = [global_norm([g - p.detach() for g, p in zip(s.params, ps, strict=True)]) for s, ps in pair]
+    assert min(norms) > cap
+    threads = [threading.Thread(target=lambda i=i: OuterRound(
+        pair[i][0], Capture(OuterConfig()), group.member(str(i)), pair[i][1], 100, 10, rda=True).run())
+        for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    # RDA keeps the weighted mean of the (clipped) norms.
+    assert captured and all(abs(n - cap) <= 1e-6 * cap for n in captured)

@@ -1,7 +1,10 @@
 """Decoupled DiLoCo benchmark: quality, communication, compute utilization and mixed speeds, side by side.
 
-One run trains the same byte-level GPT on the same data shards for the same number of inner steps per
-worker in four ways and reports them together:
+One run trains the same model on the same data shards for the same number of inner steps per worker in
+four ways and reports them together. The model is the built-in byte-level GPT (4 layers, width 128 unless
+``--set`` says otherwise) or, when the config names one (``model.path``, e.g. ``--config
+peers/llama-tiny.toml --set model.path=peers/models/llama-20m``), a Hugging Face model with the config's
+tokenizer; every variant builds it and reads its tokens as a learner does.
 
 (a) ``dp``: per-step data parallel. M processes (torch.distributed gloo on 127.0.0.1), worker i reads
     data shard i of M through the learners' own ``BatchSampler`` (same seed rule as a learner), every
@@ -28,6 +31,9 @@ Usage::
     .venv/bin/python benchmarks/decoupled_bench.py                 # default run, ~8 min on 2 cores
     .venv/bin/python benchmarks/decoupled_bench.py --quick         # sanity run, ~3 min
     .venv/bin/python benchmarks/decoupled_bench.py --json benchmarks/results/decoupled_bench.json
+    .venv/bin/python benchmarks/decoupled_bench.py --config peers/llama-tiny.toml \
+        --set model.path=peers/models/llama-20m --variants dp,decoupled --outer-steps 3 --steps-per-outer 32 \
+        --overlap-steps 6                                          # a 20M Llama with the BPE, ~12 min on 2 cores
 
 All traffic stays on 127.0.0.1. Each variant's processes run in their own process groups and are killed
 (with their p2pd daemons) at the end; the script checks that none is left.
@@ -85,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "which then runs first); set it to run decoupled-mixed alone")
     p.add_argument("--config", default=str(ROOT / "peers" / "small-cpu.toml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="extra overrides for every variant (after the model overrides)")
+                   help="extra overrides for every variant (after the built-in model's overrides, which apply only "
+                        "when the config names no model.path)")
     p.add_argument("--variants", default="dp,sync,decoupled,decoupled-mixed",
                    help="comma-separated subset of dp,sync,decoupled,decoupled-mixed")
     p.add_argument("--variant-timeout", type=float, default=600.0, help="seconds before a variant is killed")
@@ -104,9 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def base_overrides(args: argparse.Namespace) -> list[str]:
-    """Overrides shared by every variant (DP reads the same resolved config)."""
+    """Overrides shared by every variant (DP reads the same resolved config). MODEL sizes the built-in byte
+    GPT; a Hugging Face model (``model.path`` in the config or in ``--set``) is sized by its config.json."""
     m = args.learners
-    return [*MODEL, f"inner.steps_per_outer={args.steps_per_outer}", f"data.num_shards={m}", *args.overrides]
+    rest = [f"inner.steps_per_outer={args.steps_per_outer}", f"data.num_shards={m}", *args.overrides]
+    hf = load_learner_config(args.config, rest).model.path is not None
+    return [*([] if hf else MODEL), *rest]
 
 
 def resolve(args: argparse.Namespace, extra: list[str] = ()) -> LearnerConfig:

@@ -1,4 +1,9 @@
-"""Per-step data parallel, shared by the benchmarks that compare against it (gloo, CPU)."""
+"""Per-step data parallel, shared by the benchmarks that compare against it (gloo, CPU).
+
+A rank reads its data and builds its model the way a learner does (``p2p_diloco.startup``): the model of
+``model`` (the built-in byte GPT, or a Hugging Face config with ``model.path``) from the run seed, and the
+tokenizer of ``data.tokenizer`` (bytes by default) passed to ``load_splits``.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,16 @@ import torch.distributed as dist
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits
 from p2p_diloco.models import build_model
+from p2p_diloco.tokenizer import load_tokenizer
 
 
 def setup_rank(cfg: LearnerConfig, rank: int):
     """Rank r's sampler over data shard r (a learner's seed rule), the eval batches (rank 0 only), the
-    model (the learners' seed) and AdamW with the learners' inner hyperparameters."""
-    splits = load_splits(cfg.data, [rank, None] if rank == 0 else [rank])
+    model (the learners' seed) and AdamW with the learners' inner hyperparameters. Tokens come from the
+    learners' tokenizer; each rank tokenises (or reads from the cache) only its own shard."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    splits = load_splits(cfg.data, [rank, None] if rank == 0 else [rank], tokenizer,
+                         min_tokens=cfg.model.seq_len + 2)
     sampler = BatchSampler(splits[rank], cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + rank)
     eval_batches = None
     if rank == 0:

@@ -212,6 +212,7 @@ class CatchUp:
     def _rebase_onto(self, frag: Fragment, ours: GlobalState, new: GlobalState) -> None:
         """Move our progress on ``frag`` onto ``new``, minus an outer gradient that is already in it."""
         f, local = frag.index, self.state.local(frag)
+        self.state.changed.add(f)
         pending = self.state.unconfirmed.pop(f, None)
         included = None
         if pending is not None and pending.version == ours.version and new.version > ours.version:

@@ -16,9 +16,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.config import ConfigError, LearnerConfig, load_learner_config
 from p2p_diloco.errors import UserError
+
+if TYPE_CHECKING:
+    from p2p_diloco.faults import FaultPlan
+    from p2p_diloco.leader import Leader
 
 EXIT_USAGE = 2
 
@@ -45,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--identity", dest="identity_path", help="private key file (created if missing)")
     b.add_argument("--maddrs-file", help="write the node's visible multiaddrs to this file")
 
-    ln = sub.add_parser("learner", help="train as one learner unit of the swarm")
+    ln = sub.add_parser("learner", help="train as one learner unit of the swarm",
+                        description="Train as one learner unit of the swarm. Under torchrun (torchrun "
+                                    "--nproc-per-node N [--nnodes M] -m p2p_diloco learner ...) the N·M workers "
+                                    "are one unit: they train with DDP, rank 0 is the swarm peer.")
     ln.add_argument("--config", help="peer config, e.g. peers/small-cpu.toml (default: built-in defaults)")
     _add_network_flags(ln)
     ln.add_argument("--run-id", help="swarm name; learners only average with the same run id")
@@ -128,6 +136,15 @@ def _run_learner(args: argparse.Namespace) -> int:
         faults = FaultPlan.parse(args.fault)
     except FaultPlanError as e:
         raise ConfigError(str(e)) from None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one worker of a learner unit
+        from p2p_diloco.unit import run_unit
+
+        return run_unit(cfg, lambda leader: _learn(cfg, faults, leader))
+    return _learn(cfg, faults, None)
+
+
+def _learn(cfg: LearnerConfig, faults: FaultPlan, unit: Leader | None) -> int:
+    """Train as a learner (of one worker, or rank 0 of a unit) until done or signalled; write the summary."""
     from p2p_diloco.learner import Learner, write_summary  # torch and hivemind: only once the input is good
 
     if faults:
@@ -137,7 +154,7 @@ def _run_learner(args: argparse.Namespace) -> int:
             os.setpgid(0, 0)
 
     stop = threading.Event()
-    learner = Learner(cfg, stop, faults)
+    learner = Learner(cfg, stop, faults, unit)
 
     on_signal = stop_handler(stop, learner.leave_now)
     signal.signal(signal.SIGINT, on_signal)
@@ -148,6 +165,7 @@ def _run_learner(args: argparse.Namespace) -> int:
     logging.getLogger("p2p_diloco").info(
         f"finished at version {summary['version']} sha {summary['global_state_sha256'][:16]} "
         f"eval_loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f}"
+        + (f" (a unit of {summary['workers']} workers)" if summary.get("workers", 1) > 1 else "")
     )
     return 0
 

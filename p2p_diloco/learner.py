@@ -4,7 +4,8 @@ The loop (:meth:`Learner.run`), top to bottom::
 
     set up (startup.py) → download the newest global state if the swarm is ahead (catch_up.py)
     repeat until every fragment's global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
-        one inner step on the local shard, on run.device (trainer.py)
+        one inner step on the local shard, on run.device (trainer.py); in a torchrun unit, every worker
+        takes it on its own part of the shard, in step with this one, rank 0 (unit.py)
         rounds.tick(): apply a round's result that is due, adopt downloads, start due fragments (rounds.py)
         every H steps: eval (every run.eval_every-th), log, publish progress (progress.py), checkpoint
     drain the rounds; on a signal, hand the unmerged steps over in parting rounds (parting.py)
@@ -36,6 +37,7 @@ from p2p_diloco import peer_log
 from p2p_diloco.checkpoint import FORMAT
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.faults import FaultPlan
+from p2p_diloco.leader import Solo, UnitHooks
 from p2p_diloco.parting import Leaving, hand_over, linger
 from p2p_diloco.startup import Parts, set_up
 
@@ -45,11 +47,14 @@ logger = logging.getLogger(__name__)
 class Learner:
     """One learner unit of the swarm. ``stop`` is set on the first Ctrl+C / SIGTERM (leave after the
     parting rounds), :attr:`leave_now` on the second (leave at once). ``faults`` injects failures
-    for tests (:mod:`p2p_diloco.faults`). Nothing starts before :meth:`run`."""
+    for tests (:mod:`p2p_diloco.faults`). ``unit``: the other workers of a torchrun unit, when this is its
+    rank 0 (:mod:`p2p_diloco.unit`). Nothing starts before :meth:`run`."""
 
-    def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None, faults: FaultPlan | None = None):
+    def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None, faults: FaultPlan | None = None,
+                 unit: UnitHooks | None = None):
         self.cfg = cfg
         self.faults = faults or FaultPlan()
+        self.unit: UnitHooks = unit or Solo()
         self.leaving = Leaving(cfg.run.drain_seconds, stop)
         self.stop, self.leave_now = self.leaving.stop, self.leaving.leave_now
         self.target_loss_reached = False
@@ -68,6 +73,7 @@ class Learner:
         peer_log.install()
         try:
             p = self._parts = set_up(self.cfg, self.faults, self.leaving, on_commit=self.checkpoint)
+            self.unit.attach(p.trainer, p.data, p.state)
             p.progress.publish()
             p.progress.start()
             p.catch_up.start()
@@ -92,7 +98,7 @@ class Learner:
         self.leaving.training = True
         losses: list[float] = []
         t.meter.reset()
-        while not self.stop.is_set() and not self.finished():
+        while self.unit.sync(go=not self.stop.is_set() and not self.finished()):
             losses.append(self._inner_step())
             p.rounds.tick()
             if c.inner_steps % cfg.run.log_every == 0:
@@ -111,6 +117,7 @@ class Learner:
             finally:
                 self.leaving.end_budget()
             self.checkpoint()  # what the parting rounds merged or adopted
+        self.unit.finish()
         p.writer.flush()
 
     def _inner_step(self) -> float:
@@ -123,16 +130,18 @@ class Learner:
         self.faults.fire("inner", p.state.version + 1)
         started = time.perf_counter()
         x, y = p.data.sampler.next_batch()
-        loss = p.trainer.step(x, y, p.state.version)
+        with self.unit.stepping():
+            loss = p.trainer.step(x, y, p.state.version)
         if cfg.inner.extra_step_seconds:
             time.sleep(cfg.inner.extra_step_seconds)
         elapsed = time.perf_counter() - started
         c.compute_seconds += elapsed
         p.rounds.grace.observe_step(elapsed)
         c.inner_steps += 1
-        c.tokens += x.numel()
+        tokens = x.numel() * p.trainer.workers  # each worker of a unit took this step on its own batch
+        c.tokens += tokens
         for f in range(len(p.state.fragments)):
-            c.tokens_since_merge[f] += x.numel()
+            c.tokens_since_merge[f] += tokens
             c.steps_since_merge[f] += 1
         return loss
 
@@ -208,6 +217,7 @@ class Learner:
         }
 
     def _shutdown(self) -> None:
+        self.unit.close()  # a unit's other workers leave with us
         p = self._parts
         if p is None:
             return  # set_up shut down whatever it had started

@@ -84,6 +84,10 @@ class LearnerState:
     # A learner training on CUDA keeps Θ and the outer momentum in pinned host memory: copies into θ
     # on the device then go by DMA, without a staging copy (trainer.py, "What lives where").
     pin_memory: bool = False
+    # Fragments whose θ changed outside an inner step (a round's result applied, a download adopted
+    # or rebased onto, a checkpoint restored) since a learner unit last sent them to its other
+    # workers (unit.py drains it at each step; a learner of one worker leaves it be).
+    changed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         for s in self.states:

@@ -170,6 +170,7 @@ class Rounds:
         self.state.states[f] = self.state.pin(task.state)
         self.state.unconfirmed.pop(f, None)
         apply_result(self.state.local(task.fragment), task.state.params, task.snapshot, self.cfg.sync.apply_policy)
+        self.state.changed.add(f)
         c.outer_steps += 1
         # Tokens taken during the overlap were not part of this round; they count for the next one.
         c.merged(f, task.tokens, task.steps, len(self.state.fragments))

@@ -207,6 +207,10 @@ class Trainer:
             enable_activation_checkpointing(model)
         self.placement = placement
         self.model = model.to(placement.device)
+        # What inner steps run through: the model itself, or its DDP wrapper in a unit of several
+        # workers (:meth:`join_unit`). Evaluation and checkpoints always use the model itself.
+        self.train_model: torch.nn.Module = self.model
+        self.workers = 1
         self.params = list(self.model.parameters())
         self.inner = cfg.inner
         self.decay_steps = cfg.decay_steps
@@ -232,28 +236,43 @@ class Trainer:
         self.lr_at = self.lr_position.step(version)
         self.inner_opt.lr = inner_lr(self.inner, self.lr_at, self.decay_steps)
         self.inner_opt.step()
-        self.meter.add(x.numel())
+        self.meter.add(x.numel() * self.workers)
         return loss.item()
+
+    def join_unit(self, train_model: torch.nn.Module, workers: int) -> None:
+        """Train through ``train_model`` (the model wrapped in DDP) as one of ``workers`` workers of a
+        learner unit (:mod:`p2p_diloco.unit`): every worker takes the same step on its own batch, so the
+        throughput meter counts the unit's tokens, and MFU is over the unit's ``workers`` devices."""
+        self.train_model, self.workers = train_model, workers
+        peak = None if self.placement.peak_flops is None else self.placement.peak_flops * workers
+        self.meter = Throughput(sum(p.numel() for p in self.params), peak)
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         micro = self.inner.micro_batch_size
         if micro is None or micro >= x.shape[0]:
             with self.placement.autocast():
-                _, loss = self.model(x, y)
+                _, loss = self.train_model(x, y)
             self.inner_opt.zero_grad(set_to_none=True)
             loss.backward()
             return loss.detach()
         self.inner_opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=x.device)
-        for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
+        pieces = list(zip(x.split(micro), y.split(micro), strict=True))
+        for n, (xs, ys) in enumerate(pieces):
             # Each micro-batch's mean loss weighted by its share of the batch: the accumulated gradient
             # is the whole batch's mean-loss gradient (up to float rounding).
             share = xs.shape[0] / x.shape[0]
-            with self.placement.autocast():
-                _, loss = self.model(xs, ys)
-            (loss * share).backward()
+            with self._accumulating(last=n == len(pieces) - 1):
+                with self.placement.autocast():
+                    _, loss = self.train_model(xs, ys)
+                (loss * share).backward()
             total += loss.detach().float() * share
         return total
+
+    def _accumulating(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """In a unit, DDP averages the gradients across workers only at the last micro-batch's backward."""
+        no_sync = getattr(self.train_model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -288,7 +307,7 @@ class Trainer:
     def report(self, tokens: int, seconds: float) -> dict[str, Any]:
         """For the summary: the hardware, and ``tokens`` over ``seconds`` of training as tokens/s and MFU."""
         tokens_per_second = tokens / seconds if seconds > 0 else 0.0
-        return {"device": self.placement.name, "precision": self.placement.precision,
+        return {"device": self.placement.name, "precision": self.placement.precision, "workers": self.workers,
                 "parameters": sum(p.numel() for p in self.params), "tokens_per_second": tokens_per_second,
                 "mfu": self.meter.mfu(tokens_per_second)}
 

@@ -18,6 +18,9 @@ def handler():
     root.addHandler(h)
     yield h
     root.removeHandler(h)
+    for other in root.handlers:  # install() reaches every root handler, pytest's own capture ones too
+        for f in [f for f in other.filters if isinstance(f, peer_log.PeerPrefix)]:
+            other.removeFilter(f)
     peer_log.set_peer("------")
     peer_log.set_position(lambda: (0, 0))
 

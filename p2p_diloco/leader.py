@@ -1,0 +1,164 @@
+"""Rank 0 of a learner unit: the hooks its training loop (:class:`p2p_diloco.learner.Learner`) calls to
+keep the unit's other workers (:mod:`p2p_diloco.follower`) in step; :mod:`p2p_diloco.unit` has the
+protocol. A learner of one worker gets :class:`Solo`, whose hooks do nothing.
+
+The hooks, in the order the learner calls them::
+
+    attach(trainer, data, state)   after set-up: the start, DDP, the optimizer's moments; data.sampler → rank 0's part
+    sync(go) before each step      a control word and the fragments changed since the last one; False ends the loop
+    with stepping(): step          DDP's all-reduce runs inside; a failure there breaks the unit
+    finish()                       after the parting rounds: the last word, with the final θ changes
+    close()                        on the way out, whatever happened: the others leave too, if they still can
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+from p2p_diloco.learner_state import LearnerState
+from p2p_diloco.trainer import Trainer
+from p2p_diloco.unit import (
+    Start,
+    UnitBroken,
+    UnitGroup,
+    Word,
+    fragment_params,
+    optimizer_moments,
+    part_of_shard,
+    unit_broken,
+)
+
+if TYPE_CHECKING:
+    from p2p_diloco.startup import LocalData
+
+logger = logging.getLogger(__name__)
+
+
+class UnitHooks(Protocol):
+    """What the training loop of rank 0 (:class:`p2p_diloco.learner.Learner`) calls on its unit."""
+
+    def attach(self, trainer: Trainer, data: LocalData, state: LearnerState) -> None:
+        """After set-up: start the others; ``data.sampler`` becomes this worker's part of the shard."""
+        ...
+
+    def sync(self, go: bool) -> bool:
+        """Before each inner step: tell the others whether there is one (``go``); returns ``go``."""
+        ...
+
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        """Around each inner step (DDP's collectives run inside it)."""
+        ...
+
+    def finish(self) -> None:
+        """After the parting rounds: the others take the final θ and leave."""
+        ...
+
+    def close(self) -> None:
+        """On the way out, whatever happened: the others leave too, if they still can."""
+        ...
+
+
+class Solo:
+    """The unit of one worker (a plain ``p2p-diloco learner``): every hook does nothing."""
+
+    def attach(self, trainer: Trainer, data: LocalData, state: LearnerState) -> None:
+        pass
+
+    def sync(self, go: bool) -> bool:
+        return go
+
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Leader:
+    """Rank 0's side of a unit of several workers: :class:`UnitHooks` over a :class:`UnitGroup`."""
+
+    def __init__(self, group: UnitGroup):
+        self.group = group
+        self.phase = "new"  # → "starting" → "training" → "ended"; "broken" after a failed collective
+        self._trainer: Trainer | None = None
+        self._state: LearnerState | None = None
+
+    def attach(self, trainer: Trainer, data: LocalData, state: LearnerState) -> None:
+        g = self.group
+        opt = trainer.inner_opt
+        start = Start(shard=data.shard, cursor=data.sampler.cursor, lr_position=trainer.lr_position.state(),
+                      version=state.version, inner_steps=state.counters.inner_steps,
+                      optimizer_steps={i: float(s["step"]) for i, s in sorted(opt.state.items())})
+        part = part_of_shard(data.sampler, g.rank, g.workers)  # a shard too small: the others leave at close()
+        self.phase = "starting"
+        with self._collective("starting the other workers"):
+            g.start(start)
+            trainer.join_unit(g.wrap(trainer.model), g.workers)
+            g.broadcast(optimizer_moments(opt, start.optimizer_steps))
+        data.sampler = part
+        self._trainer, self._state, self.phase = trainer, state, "training"
+        state.changed.clear()
+        g.record(state.counters.inner_steps, state.version, trainer.params)
+        logger.info(f"learner unit of {g.describe()}: this worker (rank 0) is the swarm peer; each worker trains "
+                    f"on its own part of shard {data.shard}, the unit's tokens are the sum over its workers")
+
+    def sync(self, go: bool) -> bool:
+        if go:
+            self._send(go=True)
+        return go
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        with self._collective("taking an inner step"):
+            yield
+
+    def finish(self) -> None:
+        if self.phase == "training":
+            self._send(go=False)
+
+    def close(self) -> None:
+        try:
+            if self.phase == "new":
+                with self._collective("ending the unit"):
+                    self.group.start(None)  # the others wait for the start: they leave now
+                    self.group.part()
+            elif self.phase == "training":
+                self._send(go=False)
+        except UnitBroken as e:
+            logger.warning(str(e))
+        finally:
+            self.group.close()
+
+    def _send(self, go: bool) -> None:
+        assert self._state is not None and self._trainer is not None, "attach() first"
+        s, t = self._state, self._trainer
+        changed = tuple(sorted(s.changed))
+        s.changed.clear()
+        lr_v, lr_s = t.lr_position.state()
+        with self._collective("sending a control word"):
+            self.group.word(Word(go, s.version, (lr_v, lr_s), changed), len(s.fragments))
+            self.group.broadcast(fragment_params(s, changed))
+            if not go:
+                self.group.part()
+        if changed:
+            self.group.record(s.counters.inner_steps, s.version, t.params)
+        if not go:
+            self.phase = "ended"
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Anything failing in here leaves the workers out of step: the unit is broken."""
+        try:
+            yield
+        except RuntimeError as e:
+            self.phase = "broken"
+            raise unit_broken(what, e) from e
+        except BaseException:
+            self.phase = "broken"
+            raise

@@ -38,18 +38,8 @@ def _add_network_flags(p: argparse.ArgumentParser) -> None:
                    help="public addresses to announce to peers, e.g. /ip4/203.0.113.7/tcp/31337 behind NAT")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``p2p-diloco`` argument parser: ``--log-level`` and the bootstrap, learner, swarm and regions subcommands."""
-    parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    b = sub.add_parser("bootstrap", help="run a DHT entry point that does not train")
-    b.add_argument("--config", help="TOML file, e.g. bootstrap/bootstrap.toml")
-    _add_network_flags(b)
-    b.add_argument("--identity", dest="identity_path", help="private key file (created if missing)")
-    b.add_argument("--maddrs-file", help="write the node's visible multiaddrs to this file")
-
+def _add_learner_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``learner`` subcommand and its flags (each becomes a config override, see _learner_overrides)."""
     ln = sub.add_parser("learner", help="train as one learner unit of the swarm",
                         description="Train as one learner unit of the swarm. Under torchrun (torchrun "
                                     "--nproc-per-node N [--nnodes M] -m p2p_diloco learner ...) the N·M workers "
@@ -75,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(';' separates several; see p2p_diloco/faults.py)")
     ln.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="override any config field, e.g. --set inner.lr=3e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``p2p-diloco`` argument parser: ``--log-level`` and the bootstrap, learner, swarm and regions subcommands."""
+    parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bootstrap", help="run a DHT entry point that does not train")
+    b.add_argument("--config", help="TOML file, e.g. bootstrap/bootstrap.toml")
+    _add_network_flags(b)
+    b.add_argument("--identity", dest="identity_path", help="private key file (created if missing)")
+    b.add_argument("--maddrs-file", help="write the node's visible multiaddrs to this file")
+
+    _add_learner_parser(sub)
 
     s = sub.add_parser("swarm", help="run a bootstrap node and N learners on this machine (demo)")
     s.add_argument("--learners", type=int, default=3)
@@ -137,7 +142,7 @@ def _run_learner(args: argparse.Namespace) -> int:
     except FaultPlanError as e:
         raise ConfigError(str(e)) from None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one worker of a learner unit
-        from p2p_diloco.unit import run_unit
+        from p2p_diloco.unit_launch import run_unit
 
         return run_unit(cfg, lambda leader: _learn(cfg, faults, leader))
     return _learn(cfg, faults, None)

@@ -221,13 +221,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
             closer: contextlib.ExitStack) -> Parts:
     began = time.monotonic()
     torch.set_num_threads(cfg.run.threads)
-    # Bad input the user can fix is refused before the DHT and its p2pd start.
-    resolve_placement(cfg.run)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if cfg.model.path is not None:
-        from p2p_diloco.hf_model import read_config_json  # transformers: only for Hugging Face models
-
-        read_config_json(cfg.model.path)
+    tokenizer = refuse_bad_input(cfg)
     ckpt_dir, dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
     closer.callback(dir_lock.release)
     payload = load_checkpoint(ckpt_dir) if cfg.run.resume else None
@@ -261,15 +255,8 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
     averager = time.monotonic()
-    state.served.on_serve = lambda: faults.fire("serve", state.version)
-    averaging = HivemindAveraging(
-        dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
-        state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
-        fragments=parameter_indices([len(s.params) for s in state.states]),
-        codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults,
-    )
+    averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults)
     closer.callback(averaging.shutdown)
-    averaging.set_state_priority(state.version)
     # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
     writer = CheckpointWriter(ckpt_dir)
     closer.callback(writer.close, timeout=120)  # a snapshot still waiting is written before the lock goes
@@ -281,6 +268,31 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
                 f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
     return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer)
+
+
+def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
+    """Refuse what the user can fix (a device this machine lacks, a tokenizer or model directory that
+    does not load) before the DHT and its p2pd start; returns the loaded tokenizer."""
+    resolve_placement(cfg.run)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.path is not None:
+        from p2p_diloco.hf_model import read_config_json  # transformers: only for Hugging Face models
+
+        read_config_json(cfg.model.path)
+    return tokenizer
+
+
+def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: LearnerState, progress: Progress,
+                     leaving: Leaving, faults: FaultPlan) -> HivemindAveraging:
+    state.served.on_serve = lambda: faults.fire("serve", state.version)
+    averaging = HivemindAveraging(
+        dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
+        state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
+        fragments=parameter_indices([len(s.params) for s in state.states]),
+        codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults,
+    )
+    averaging.set_state_priority(state.version)
+    return averaging
 
 
 def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict[str, Any] | None,

@@ -27,7 +27,7 @@ again (rank 0 resumes from its checkpoint with ``--resume``).
 Backends: gloo on CPUs, nccl on CUDA GPUs (each worker takes ``cuda:LOCAL_RANK``). Only gloo with
 workers on one machine is tested here.
 
-Example (what the CLI does under torchrun; :func:`run_unit`)::
+Example (what the CLI does under torchrun; :func:`p2p_diloco.unit_launch.run_unit`)::
 
     group = join(Topology.from_env(), cfg.run)
     learner = Learner(cfg, unit=Leader(group))       # rank 0 (leader.py); the others: follow(cfg, group)
@@ -43,23 +43,20 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from p2p_diloco.config import LearnerConfig, RunConfig
+from p2p_diloco.config import RunConfig
 from p2p_diloco.data import BatchSampler, DataError
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.trainer import resolve_device
-
-if TYPE_CHECKING:
-    from p2p_diloco.leader import Leader
 
 logger = logging.getLogger(__name__)
 
@@ -278,24 +275,3 @@ def optimizer_moments(opt: AdamW, steps: Mapping[int, float]) -> list[torch.Tens
                             "exp_avg": torch.empty_like(p), "exp_avg_sq": torch.empty_like(p)}
         out += [opt.state[i]["exp_avg"], opt.state[i]["exp_avg_sq"]]
     return out
-
-
-def run_unit(cfg: LearnerConfig, lead: Callable[[Leader], int]) -> int:
-    """This process as one worker of a torchrun unit: rank 0 runs ``lead`` (the learner), the others
-    :func:`p2p_diloco.follower.follow`. A broken unit is one line on stderr and exit code 1."""
-    topology = Topology.from_env()
-    assert topology is not None, "run_unit outside torchrun"
-    group = join(topology, cfg.run)
-    try:
-        if topology.rank == 0:
-            from p2p_diloco.leader import Leader
-
-            return lead(Leader(group))
-        from p2p_diloco.follower import follow
-
-        return follow(cfg, group)
-    except UnitBroken as e:
-        print(f"error: rank {topology.rank}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        group.close()

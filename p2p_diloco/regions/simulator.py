@@ -107,6 +107,20 @@ def _learner_args(opts: RegionsOptions, host: Host, slot: int, bootstrap_addr: s
     ]
 
 
+def _prepare(topo: Topology) -> bool:
+    """Remove what a crashed run left, say what will be simulated; returns whether netem exists here."""
+    stale = netns.cleanup_stale()
+    if stale:
+        print(f"regions: removed {len(stale)} namespaces left by a crashed run", flush=True)
+    netem = netns.netem_supported()
+    if topo.netem_needed and not netem:
+        print("regions: this kernel has no netem qdisc: delay and loss are NOT applied; "
+              "shaping bandwidth only (tbf)", flush=True)
+    for line in _describe(topo, netem):
+        print(line, flush=True)
+    return netem
+
+
 async def run_regions(opts: RegionsOptions) -> int:
     """Build the namespaces, run the bootstrap node and learners until they exit or a signal comes, stop
     and remove everything, then report. Returns 0 when every learner exited with 0 and wrote a summary, and
@@ -123,15 +137,7 @@ async def run_regions(opts: RegionsOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    stale = netns.cleanup_stale()
-    if stale:
-        print(f"regions: removed {len(stale)} namespaces left by a crashed run", flush=True)
-    netem = netns.netem_supported()
-    if topo.netem_needed and not netem:
-        print("regions: this kernel has no netem qdisc: delay and loss are NOT applied; "
-              "shaping bandwidth only (tbf)", flush=True)
-    for line in _describe(topo, netem):
-        print(line, flush=True)
+    netem = _prepare(topo)
 
     prefix = netns.run_prefix()
     reaper_log = (work / "reaper.log").open("ab")

@@ -1,0 +1,32 @@
+"""The entry of a torchrun worker: join the unit, then lead it (rank 0, the learner) or follow it.
+
+Separate from :mod:`p2p_diloco.unit` (the protocol both sides speak), which the leader and the
+follower import: this module is the only one that knows both.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from p2p_diloco.config import LearnerConfig
+from p2p_diloco.follower import follow
+from p2p_diloco.leader import Leader
+from p2p_diloco.unit import Topology, UnitBroken, join
+
+
+def run_unit(cfg: LearnerConfig, lead: Callable[[Leader], int]) -> int:
+    """This process as one worker of a torchrun unit: rank 0 runs ``lead`` (the learner), the others
+    :func:`p2p_diloco.follower.follow`. A broken unit is one line on stderr and exit code 1."""
+    topology = Topology.from_env()
+    assert topology is not None, "run_unit outside torchrun"
+    group = join(topology, cfg.run)
+    try:
+        if topology.rank == 0:
+            return lead(Leader(group))
+        return follow(cfg, group)
+    except UnitBroken as e:
+        print(f"error: rank {topology.rank}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        group.close()

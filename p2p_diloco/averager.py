@@ -101,6 +101,7 @@ class OuterGradientAverager(DecentralizedAverager):
             named = {str(p): m for p, m in gathered.items()}
             verdict = judge(named, agreed_rules(named, self._rules))
             self._leave_if_excluded(verdict, group_info, mine, fragment)
+            self._check_quorum(verdict, group_info)
             excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]
             modes = tuple(map(AveragingMode, mode_ids))
             download_bandwidths = [  # an excluded member reduces no shard
@@ -125,14 +126,28 @@ class OuterGradientAverager(DecentralizedAverager):
                 logger.debug(f"all-reduce failed: {e!r}")
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
+    def _check_quorum(self, verdict: Verdict, group_info) -> None:
+        """Fail the round for every member if the contributions left are fewer than the quorum K: a group
+        that shrank below it by exclusion would commit what a group that small may not."""
+        left = len(group_info.peer_ids) - len(verdict.excluded)
+        quorum = self._matchmaking.min_group_size
+        if verdict.excluded and left < quorum:
+            self._cancel_registration(group_info)
+            names = ", ".join(f"{p[-6:]} ({e.why})" for p, e in sorted(verdict.excluded.items()))
+            raise AllreduceException(f"{left} contribution(s) left after leaving out {names}: below the quorum "
+                                     f"K = {quorum}")
+
+    def _cancel_registration(self, group_info) -> None:
+        running = self._running_groups.get(group_info.group_id)
+        if running is not None and not running.done():
+            running.cancel()  # registered for this group, never to run: not "an all-reduce that did not finish"
+
     def _leave_if_excluded(self, verdict: Verdict, group_info, mine: Any, fragment: int) -> None:
         """Raise :class:`ExcludedFromRound` if the group excluded our own contribution (nobody sends us parts)."""
         exclusion = verdict.excluded.get(str(self.peer_id))
         if exclusion is None:
             return
-        running = self._running_groups.get(group_info.group_id)
-        if running is not None and not running.done():
-            running.cancel()  # registered for this group, never to run: not "an all-reduce that did not finish"
+        self._cancel_registration(group_info)
         version = mine.get("version") if isinstance(mine, dict) else None
         raise ExcludedFromRound(f"excluded {str(self.peer_id)[-6:]} from fragment {fragment} version {version}: "
                                 f"{exclusion.why}")

@@ -11,8 +11,9 @@ The rule, applied to the members in sorted peer-id order:
 1. **Broken.** Metadata that is not a dict, a ``finite`` flag that is False, a ``norm`` that is
    not finite (NaN/Inf), a ``weight`` or ``norm`` that is not a non-negative finite number:
    excluded ("its outer gradient is not finite").
-2. **Outlier.** With ``norm_outlier_factor`` f > 0: a member whose norm is above f times the
-   median of the *other* valid members' norms is excluded. Leave-one-out, so that an outlier
+2. **Outlier.** With ``norm_outlier_factor`` f > 0: a member whose norm per inner step (``norm /
+   steps``: an honest learner that missed rounds sends many steps' progress at once) is above f
+   times the median of the *other* valid members' is excluded. Leave-one-out, so that an outlier
    cannot raise its own yardstick, and so that the rule means something in tiny groups: alone,
    nobody is compared (only rule 1 applies); in a pair, the larger norm is excluded when it is
    more than f times the smaller one (with the plain median of two, their mean, no norm can
@@ -135,6 +136,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     excluded: dict[str, Exclusion] = {}
     weights: dict[str, float] = {}
     norms: dict[str, float] = {}
+    steps: dict[str, int] = {}
     for peer in sorted(gathered):
         meta = gathered[peer]
         why = _broken(meta)
@@ -146,11 +148,14 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
         weights[peer] = weight
         if meta.get("norm") is not None:
             norms[peer] = _number(meta["norm"]) or 0.0
+            steps[peer] = _steps(meta)
     if rules.norm_outlier_factor > 0:
-        for peer, norm in norms.items():
-            others = [n for q, n in norms.items() if q != peer]
-            if others and norm > rules.norm_outlier_factor * (median := statistics.median(others)):
-                excluded[peer] = Exclusion(_outlier(norm, median, rules.norm_outlier_factor))
+        # Per inner step: an honest learner that missed rounds sends the progress of many steps at once.
+        rates = {p: n / steps[p] for p, n in norms.items()}
+        for peer, rate in rates.items():
+            others = [r for q, r in rates.items() if q != peer]
+            if others and rate > rules.norm_outlier_factor * (median := statistics.median(others)):
+                excluded[peer] = Exclusion(_outlier(rate, median, rules.norm_outlier_factor))
     voters = [p for p in sorted(weights) if p not in excluded]
     for peer in voters:
         electors = [q for q in voters if q != peer]
@@ -219,10 +224,17 @@ def _broken(meta: Any) -> str:
     return ""
 
 
-def _outlier(norm: float, median: float, factor: float) -> str:
+def _steps(meta: Mapping[str, Any]) -> int:
+    """The inner steps behind a contribution (at least 1; a missing or bad count counts as 1)."""
+    steps = meta.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else 1
+
+
+def _outlier(rate: float, median: float, factor: float) -> str:
     if median == 0:
-        return f"norm {norm:.2g} while the median of the others' norms is 0"
-    return f"norm {norm:.2g} is {norm / median:.0f}x the median {median:.2g} of the others' norms (limit {factor:g}x)"
+        return f"norm per inner step {rate:.2g} while the others' median is 0"
+    return (f"norm per inner step {rate:.2g} is {rate / median:.0f}x the median {median:.2g} of the others' "
+            f"(limit {factor:g}x)")
 
 
 def _bans(meta: Any) -> set[str]:

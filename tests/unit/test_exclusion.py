@@ -34,10 +34,19 @@ def test_an_outlier_above_factor_times_the_median_of_the_others_is_excluded():
     verdict = judge(_group(1.0, 1.2, 0.9, 1.1, 100.0), Rules(8.0))
     assert set(verdict.excluded) == {"e"}
     why = verdict.excluded["e"].why
-    assert why.startswith("norm 1e+02 is 95x the median 1.1 of the others' norms"), why
+    assert why.startswith("norm per inner step 1e+02 is 95x the median 1.1 of the others'"), why
     assert verdict.contributors(_group(*range(5))) == ["a", "b", "c", "d"]
     assert _out(_group(1.0, 1.2, 0.9, 1.1, 7.0)) == set()  # 7 ≤ 8 × 1.05
     assert _out(_group(1.0, 1.2, 0.9, 1.1, 100.0), Rules(0.0)) == set()  # 0 disables the outlier rule
+
+
+def test_norms_are_compared_per_inner_step():
+    """An honest learner that missed rounds sends many steps' progress at once: not an outlier."""
+    group = _group(0.36, 7.0)  # the second one's outer gradient holds 70 inner steps, the first one's 7
+    group["a"]["steps"], group["b"]["steps"] = 7, 70
+    assert _out(group) == set()
+    group["b"]["steps"] = 7  # the same norm from as few steps: 19x the other's rate
+    assert _out(group) == {"b"}
 
 
 def test_non_finite_outer_gradients_are_excluded_and_do_not_count_in_the_median():

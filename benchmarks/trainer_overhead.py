@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -319,16 +318,10 @@ def table(results: list[dict]) -> str:
 
 
 def machine() -> dict:
-    import torch
+    """decoupled_bench's machine description, plus the load when the runs started (they share 2 cores)."""
+    from decoupled_bench import machine as described
 
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "loadavg_at_start": os.getloadavg()}
+    return {**described(), "loadavg_at_start": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ class BootstrapConfig(BaseModel):
     announce_maddrs: list[str] = Field(default_factory=list)
     initial_peers: list[str] = Field(default_factory=list)
     identity_path: str = "bootstrap/identity.key"
+    allowed_peers: str | None = None  # a private swarm's allow-list (p2p_diloco.admission); it must name this node
     maddrs_file: str | None = None
     refresh_period: float = Field(30.0, gt=0.0)
     startup_timeout: float = Field(60.0, gt=0.0)
@@ -99,13 +100,19 @@ def _routing_table_size(dht: LinkedDHT) -> int:
 
 
 def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
-    """Start the node's DHT (on the main thread) with its identity file; LearnerError if it cannot."""
+    """Start the node's DHT (on the main thread) with its identity file and allow-list; LearnerError (or
+    ConfigError for a bad allow-list) if it cannot."""
+    from p2p_diloco.admission import Admission, admit_self, peer_id_of
     from p2p_diloco.lifecycle import start_dht
 
+    admission = Admission.from_file(cfg.allowed_peers)
     Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    peer_id_of(cfg.identity_path)  # made here if missing: its key validates signed records from the start
+    admit_self(admission, cfg.identity_path)
     return start_dht(
         initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
         identity_path=cfg.identity_path, startup_timeout=cfg.startup_timeout, what="bootstrap DHT node",
+        admission=admission, signing=Path(cfg.identity_path),
     )
 
 

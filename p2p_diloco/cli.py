@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | learner | swarm | regions.
+"""``p2p-diloco``: bootstrap | learner | swarm | regions | export | peer-id.
 
 Errors a user can cause are printed as one line (``error: ...``) with exit code 2; no traceback.
 Each subcommand imports what it needs when it runs: ``--help``, config errors and
@@ -36,6 +36,9 @@ def _add_network_flags(p: argparse.ArgumentParser) -> None:
                    help="addresses to listen on (default /ip4/0.0.0.0/tcp/0; the bootstrap node uses tcp/31337)")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR",
                    help="public addresses to announce to peers, e.g. /ip4/203.0.113.7/tcp/31337 behind NAT")
+    p.add_argument("--allowed-peers", metavar="FILE",
+                   help="a private swarm: answer only the peer IDs in FILE (one a line, '#' comments; every "
+                        "learner's and the bootstrap node's, see 'p2p-diloco peer-id'); default: public")
 
 
 def _add_learner_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=str(Path("peers") / "small-cpu.toml"))
     s.add_argument("--max-outer-steps", type=int, default=6)
     s.add_argument("--workdir", default="runs/local-swarm", help="checkpoints, summaries and bootstrap key")
+    s.add_argument("--private", action="store_true",
+                   help="a private swarm: write WORKDIR/allowed-peers.txt with every peer's ID and give it to all")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="passed on to every learner")
 
@@ -104,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "with its tokenizer), or a torch state dict and config for the built-in model")
     e.add_argument("--checkpoint-dir", required=True, help="a learner's checkpoint directory (holding latest.pt)")
     e.add_argument("--out", required=True, help="directory to write the model to (created if missing)")
+
+    pid = sub.add_parser("peer-id", help="print the peer ID of a learner's or bootstrap node's identity (creating "
+                                         "the identity if missing), for a private swarm's --allowed-peers file")
+    who = pid.add_mutually_exclusive_group(required=True)
+    who.add_argument("--checkpoint-dir", help="a learner's checkpoint directory (its key is identity.key there)")
+    who.add_argument("--identity", help="a bootstrap node's --identity file")
     return parser
 
 
@@ -116,6 +127,7 @@ def _learner_overrides(args: argparse.Namespace) -> list[str]:
     pairs = {
         "network.initial_peers": args.initial_peers, "network.host_maddrs": args.host_maddrs,
         "network.announce_maddrs": args.announce_maddrs, "network.run_id": args.run_id,
+        "network.allowed_peers": args.allowed_peers,
         "data.path": args.data, "model.path": args.model, "data.tokenizer": args.tokenizer,
         "run.device": args.device, "data.shard_index": args.shard_index, "data.num_shards": args.num_shards,
         "run.max_outer_steps": args.max_outer_steps, "run.checkpoint_dir": args.checkpoint_dir,
@@ -206,6 +218,7 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
     cfg = load_bootstrap_config(args.config, {
         "host_maddrs": args.host_maddrs, "announce_maddrs": args.announce_maddrs,
         "initial_peers": args.initial_peers, "identity_path": args.identity_path, "maddrs_file": args.maddrs_file,
+        "allowed_peers": args.allowed_peers,
     })
     run_bootstrap(cfg)
     return 0
@@ -219,13 +232,22 @@ def _run_swarm(args: argparse.Namespace) -> int:
         raise ConfigError("--learners must be at least 1")
     load_learner_config(args.config, list(args.overrides))  # fail fast, before any process starts
     extra = [a for o in args.overrides for a in ("--set", o)]
-    return swarm_main(SwarmOptions(args.learners, args.config, args.max_outer_steps, Path(args.workdir), extra))
+    return swarm_main(SwarmOptions(args.learners, args.config, args.max_outer_steps, Path(args.workdir), extra,
+                                   private=args.private))
 
 
 def _run_export(args: argparse.Namespace) -> int:
     from p2p_diloco.export import export  # torch (and transformers for HF models): only when exporting
 
     export(args.checkpoint_dir, args.out)
+    return 0
+
+
+def _run_peer_id(args: argparse.Namespace) -> int:
+    from p2p_diloco.admission import peer_id_of  # hivemind: only to read or make the key
+
+    path = Path(args.checkpoint_dir) / "identity.key" if args.checkpoint_dir else Path(args.identity)
+    print(peer_id_of(path))
     return 0
 
 
@@ -240,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level)
     handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm,
-               "regions": _run_regions, "export": _run_export}[args.command]
+               "regions": _run_regions, "export": _run_export, "peer-id": _run_peer_id}[args.command]
     try:
         return handler(args)
     except UserError as e:

@@ -185,7 +185,11 @@ class NetworkConfig(_Section):
     host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = Field(default_factory=list)
     startup_timeout: float = Field(60.0, gt=0.0, description="seconds p2pd may take to start")
-    record_ttl: float = Field(30.0, gt=1.0, description="lifetime of this learner's progress record in the DHT")
+    record_ttl: float = Field(30.0, gt=1.0, le=600.0,
+                              description="lifetime of this learner's progress record in the DHT")
+    allowed_peers: str | None = Field(
+        None, description="a private swarm: file of the peer IDs (one a line, the bootstrap node's too) that may "
+                          "call this learner; everyone else is refused (p2p-diloco peer-id prints a peer's ID)")
 
 
 class RunConfig(_Section):

@@ -10,6 +10,7 @@ exits when the process that started it goes away.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -19,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 
+from p2p_diloco.admission import Admission, gated_p2p
 from p2p_diloco.errors import LearnerError
+from p2p_diloco.signed_records import OwnedRecords, owner_marker, record_validators
 
 _PR_SET_PDEATHSIG = 1
 _ALIVE_CHECK_SECONDS = 1.0
@@ -74,16 +78,42 @@ def serialize_requests(component: Any) -> None:
 
 
 class LinkedDHT(hivemind.DHT):
-    """hivemind.DHT whose background process (and thus its p2pd) ends when the learner dies, and whose
-    requests may come from several threads (:func:`serialize_requests`)."""
+    """hivemind.DHT whose background process (and thus its p2pd) ends when the learner dies, whose
+    requests may come from several threads (:func:`serialize_requests`), and whose every RPC handler,
+    the DHT's and those of averagers on its p2pd (:meth:`replicate_p2p`), is behind ``admission``."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, admission: Admission | None = None, owned: OwnedRecords | None = None,
+                 owner: bytes = b"", **kwargs: Any):
+        self.admission = admission or Admission()
+        self.owned = owned  # one of the record validators: the keys whose records must be signed
+        self.owner = owner  # the subkey of this peer's own signed records (its public key marker)
         super().__init__(*args, **kwargs)
         serialize_requests(self)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        if self.admission.private:
+            # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes a gated one.
+            import hivemind.dht.node
+
+            hivemind.dht.node.P2P = gated_p2p(self.admission)
         super().run()
+
+    async def replicate_p2p(self) -> hivemind.P2P:
+        """hivemind's replica of the DHT's P2P (what an averager registers its handlers on), gated."""
+        replica: hivemind.P2P | None = getattr(self, "_p2p_replica", None)  # hivemind's attributes
+        if replica is None or getattr(self, "_origin_pid", None) != os.getpid():
+            self._origin_pid = os.getpid()
+            maddr = self.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+            replica = self._p2p_replica = await gated_p2p(self.admission).replicate(maddr)
+        return replica
+
+    def protect(self, keys: Sequence[str]) -> None:
+        """From now on, records under ``keys`` must name their owner and carry its signature (in the DHT's
+        process, which validates what peers store here and what they return to our searches)."""
+        if self.owned is None:
+            raise ValueError("this DHT was started without signed records")
+        self.run_coroutine(functools.partial(_protect, list(keys)))
 
     def _serialized(self, method, args, kwargs):
         """Send the request; wait for the answer, checking that the DHT process still lives.
@@ -112,6 +142,11 @@ class LinkedDHT(hivemind.DHT):
         return self._serialized(super().run_coroutine, args, kwargs)
 
 
+async def _protect(keys: list[str], dht: LinkedDHT, _node: Any) -> None:
+    assert dht.owned is not None  # checked by LinkedDHT.protect
+    dht.owned.protect(keys)
+
+
 def start_dht(
     *,
     initial_peers: Sequence[str],
@@ -121,14 +156,24 @@ def start_dht(
     startup_timeout: float,
     wait: bool = True,
     what: str = "DHT",
+    admission: Admission | None = None,
+    signing: Path | None = None,
 ) -> LinkedDHT:
     """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
 
     Call it on the main thread: the DHT's process dies with the thread that forked it. With
     ``wait=False`` it returns at once and ``dht.wait_until_ready()`` waits for the start. Any failure
     (a malformed multiaddr, a port in use, p2pd not starting in ``startup_timeout`` seconds) becomes
-    one :class:`LearnerError` line naming ``what`` was being started.
+    one :class:`LearnerError` line naming ``what`` was being started. ``admission``: who may call this
+    peer (default: everyone). ``signing``: the identity file whose key signs this peer's records; with
+    it, records of others are validated (:mod:`p2p_diloco.signed_records`, :meth:`LinkedDHT.protect`).
     """
+    validators: list[Any] = []
+    owned, owner = None, b""
+    if signing is not None:
+        validators = record_validators(signing)
+        owned = next(v for v in validators if isinstance(v, OwnedRecords))
+        owner = next(owner_marker(v) for v in validators if isinstance(v, RSASignatureValidator))
     try:
         return LinkedDHT(
             initial_peers=list(initial_peers) or None,
@@ -138,6 +183,10 @@ def start_dht(
             startup_timeout=startup_timeout,
             start=True,
             await_ready=wait,
+            admission=admission,
+            owned=owned,
+            owner=owner,
+            record_validators=validators,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
         raise _start_error(what, e) from None

@@ -45,6 +45,19 @@ class SwarmOptions:
     workdir: Path
     extra: list[str]
     startup_timeout: float = 120.0
+    private: bool = False  # an allow-list of the bootstrap node and the learners: nobody else is answered
+
+
+def write_allow_list(work: Path, learners: int) -> list[str]:
+    """Make (or read) the bootstrap node's and each learner's identity, and write their peer IDs to
+    ``work/allowed-peers.txt``; the CLI arguments that make a peer use the list."""
+    from p2p_diloco.admission import peer_id_of  # hivemind: only for a private swarm
+
+    path = work / "allowed-peers.txt"
+    lines = [f"{peer_id_of(work / 'bootstrap.key')}  # bootstrap node"]
+    lines += [f"{peer_id_of(work / f'learner-{i}' / 'identity.key')}  # learner-{i}" for i in range(learners)]
+    path.write_text("# p2p-diloco swarm --private: the peers that may take part\n" + "\n".join(lines) + "\n")
+    return ["--allowed-peers", str(path)]
 
 
 async def run_swarm(opts: SwarmOptions) -> int:
@@ -63,7 +76,8 @@ async def run_swarm(opts: SwarmOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    boot, boot_pump = await spawn_pumped("bootstrap", cli(*bootstrap_args(work)))
+    gate = write_allow_list(work, opts.learners) if opts.private else []
+    boot, boot_pump = await spawn_pumped("bootstrap", cli(*bootstrap_args(work), *gate))
     procs, pumps = [boot], [boot_pump]
     try:
         bootstrap_addr = await wait_for_bootstrap(maddrs_file, boot, opts.startup_timeout)
@@ -74,7 +88,7 @@ async def run_swarm(opts: SwarmOptions) -> int:
                 "--host-maddrs", LOOPBACK_ANY_PORT, "--shard-index", str(i),
                 "--num-shards", str(max(opts.learners, 1)), "--max-outer-steps", str(opts.max_outer_steps),
                 "--checkpoint-dir", str(work / f"learner-{i}"), "--summary", str(work / f"summary-{i}.json"),
-                *opts.extra,
+                *gate, *opts.extra,
             )
             proc, pump = await spawn_pumped(f"learner-{i}", args)
             learners.append(proc)

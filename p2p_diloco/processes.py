@@ -197,12 +197,13 @@ def wait_until(cond: Callable[[], T], timeout: float, proc: Proc | None = None, 
     raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def start_bootstrap(work: Path, timeout: float = 90.0) -> tuple[Proc, str]:
-    """A bootstrap node on loopback, logging to ``work/bootstrap.log``, and its address once it has one.
+def start_bootstrap(work: Path, timeout: float = 90.0, extra: Sequence[str] = ()) -> tuple[Proc, str]:
+    """A bootstrap node on loopback (with ``extra`` CLI arguments), logging to ``work/bootstrap.log``,
+    and its address once it has one.
 
     If it does not get one, the node is killed before the error propagates.
     """
-    boot = Proc("bootstrap", cli(*bootstrap_args(work)), work / "bootstrap.log")
+    boot = Proc("bootstrap", cli(*bootstrap_args(work), *extra), work / "bootstrap.log")
     try:
         maddr = wait_until(lambda: first_word(work / MADDRS_FILE), timeout, boot, "the bootstrap address")
     except BaseException:

@@ -1,7 +1,9 @@
 """Progress records that learners publish to the DHT, encoded with msgpack.
 
-Each learner stores one record under ``{run_id}_progress`` (subkey = its peer ID) with the version
-and hash of the global state it holds. Newcomers and learners that fell behind read these records
+Each learner stores one record under ``{lineage}_progress`` with the version and hash of the global
+state it holds. The subkey is the learner's public key and the value is signed with it
+(:mod:`p2p_diloco.signed_records`): the peer a record speaks for is computed from that key, and a
+record without a valid signature never reaches the reader. Newcomers and learners that fell behind read these records
 to learn the swarm's newest version; learners finishing a run read them to know when the others
 are done. Records are refreshed while a learner lives and expire ``record_ttl`` seconds after it
 dies; a clean exit overwrites its record with status ``left``.
@@ -18,6 +20,8 @@ from typing import Literal
 import msgpack
 from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
+
+from p2p_diloco.signed_records import peer_id_of_owner
 
 logger = get_logger(__name__)
 
@@ -100,9 +104,10 @@ class ProgressRecord:
 class ProgressBoard:
     """Publish this learner's record and read everyone's."""
 
-    def __init__(self, dht: DHT, run_id: str, ttl: float):
-        self.dht, self.key, self.ttl = dht, f"{run_id}_progress", ttl
-        self._peer_key = dht.peer_id.to_bytes()
+    def __init__(self, dht: DHT, run_id: str, ttl: float, owner: bytes):
+        """``owner``: this learner's subkey, its public key marker (``signed_records.owner_marker``)."""
+        self.dht, self.key, self.ttl = dht, progress_key(run_id), ttl
+        self._peer_key = owner
 
     def publish(self, record: ProgressRecord) -> bool:
         """Store ``record``, stamped with the wall time, under our subkey for ``ttl`` seconds.
@@ -131,7 +136,11 @@ class ProgressBoard:
             return {}
         records = {}
         for subkey, item in found.value.items():
-            peer = _peer_name(subkey)
+            owner = peer_id_of_owner(subkey)
+            if owner is None:  # the DHT's validators drop these; a record stored by an older version has one
+                logger.debug(f"ignored a progress record without an owner's key: subkey {repr(subkey)[:40]}")
+                continue
+            peer = str(owner)
             try:
                 records[peer] = ProgressRecord.decode(item.value)
             except (RecordError, AttributeError) as e:
@@ -139,10 +148,6 @@ class ProgressBoard:
         return records
 
 
-def _peer_name(subkey: object) -> str:
-    from hivemind.p2p import PeerID
-
-    try:
-        return str(PeerID(subkey))
-    except Exception:  # noqa: BLE001
-        return repr(subkey)[:40]
+def progress_key(lineage: str) -> str:
+    """The DHT key of a lineage's progress records (protected: see :mod:`p2p_diloco.signed_records`)."""
+    return f"{lineage}_progress"

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from p2p_diloco import STARTED, peer_log
+from p2p_diloco.admission import Admission, admit_self, peer_id_of
 from p2p_diloco.catch_up import CatchUp
 from p2p_diloco.checkpoint import CheckpointError, CheckpointWriter, claim_checkpoint_dir, load_checkpoint
 from p2p_diloco.config import ConfigError, LearnerConfig, ModelConfig
@@ -37,7 +38,7 @@ from p2p_diloco.models import build_model, embedding_names, model_config_json, n
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
-from p2p_diloco.records import ProgressBoard
+from p2p_diloco.records import ProgressBoard, progress_key
 from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
 from p2p_diloco.tokenizer import Tokenizer, load_tokenizer
@@ -222,15 +223,19 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     began = time.monotonic()
     torch.set_num_threads(cfg.run.threads)
     tokenizer = refuse_bad_input(cfg)
+    admission = Admission.from_file(cfg.network.allowed_peers)
     ckpt_dir, dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
     closer.callback(dir_lock.release)
     payload = load_checkpoint(ckpt_dir) if cfg.run.resume else None
     if payload is not None:
         check_compatible(cfg, payload, ckpt_dir)
     net = cfg.network
+    identity = ckpt_dir / "identity.key"
+    peer_id_of(identity)  # made here if missing: it signs our records from the DHT's start on
+    admit_self(admission, identity)
     dht = start_dht(initial_peers=net.initial_peers, host_maddrs=net.host_maddrs,
-                    announce_maddrs=net.announce_maddrs, identity_path=ckpt_dir / "identity.key",
-                    startup_timeout=net.startup_timeout, wait=False)
+                    announce_maddrs=net.announce_maddrs, identity_path=identity,
+                    startup_timeout=net.startup_timeout, wait=False, admission=admission, signing=identity)
     closer.callback(dht.shutdown)
     local_work = time.monotonic()
     data = load_data(cfg, cfg.data.shard_index, tokenizer) if cfg.data.shard_index is not None else None
@@ -303,7 +308,8 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict
     logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")
     lineage = f"{cfg.network.run_id}-{lineage_hash}"
     logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
-    progress = Progress(ProgressBoard(dht, lineage, cfg.network.record_ttl), state, cfg.network.record_ttl)
+    dht.protect([progress_key(lineage)])
+    progress = Progress(ProgressBoard(dht, lineage, cfg.network.record_ttl, dht.owner), state, cfg.network.record_ttl)
     # Announce ourselves at once, before the download, so that learners finishing the run see a
     # newcomer behind them and keep serving state until it has caught up.
     progress.announce(min(g["version"] for g in payload["global"]) if payload is not None else 0)

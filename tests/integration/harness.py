@@ -37,9 +37,9 @@ class Swarm:
         self.bootstrap: Proc | None = None
         self.bootstrap_addr: str | None = None
 
-    def start_bootstrap(self, timeout: float = 90) -> str:
-        """Start the bootstrap node (``self.bootstrap``) and return its address."""
-        self.bootstrap, self.bootstrap_addr = start_bootstrap(self.tmp, timeout)
+    def start_bootstrap(self, timeout: float = 90, extra: Sequence[str] = ()) -> str:
+        """Start the bootstrap node (``self.bootstrap``, with ``extra`` CLI arguments) and return its address."""
+        self.bootstrap, self.bootstrap_addr = start_bootstrap(self.tmp, timeout, extra)
         self.procs.append(self.bootstrap)
         return self.bootstrap_addr
 

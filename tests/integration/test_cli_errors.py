@@ -20,6 +20,10 @@ def _run(*args, timeout=60):
     (["learner", "--shard-index", "7", "--num-shards", "4"], "shard_index"),
     (["swarm", "--learners", "0"], "--learners"),
     (["bootstrap", "--config", "peers/missing.toml"], "does not exist"),
+    (["learner", "--allowed-peers", "peers/missing.txt"], "allow-list peers/missing.txt: cannot read it"),
+    (["bootstrap", "--allowed-peers", "README.md", "--identity", "/nonexistent/x/id.key"],
+     "allow-list README.md, line"),
+    (["peer-id", "--identity", "README.md"], "does not hold a libp2p private key"),
 ])
 def test_bad_config_exits_nonzero_with_one_line(args, needle):
     r = _run(*args)
@@ -43,6 +47,20 @@ def test_bad_initial_peer_of_a_bootstrap_node_is_a_clear_error(tmp_path):
     assert r.returncode == 2, r
     assert r.stderr.startswith("error: could not start or join the bootstrap DHT node")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_missing_from_its_own_allow_list_is_a_clear_error(tmp_path):
+    other = tmp_path / "other.txt"
+    r = _run("peer-id", "--identity", str(tmp_path / "other.key"))
+    assert r.returncode == 0 and r.stdout.strip(), r
+    other.write_text(r.stdout)
+    r = _run("learner", "--allowed-peers", str(other), "--checkpoint-dir", str(tmp_path / "c"))
+    assert r.returncode == 2, r
+    assert r.stderr.startswith("error: this peer's ID") and "is not on the allow-list" in r.stderr, r.stderr
+    r = _run("bootstrap", "--allowed-peers", str(other), "--identity", str(tmp_path / "boot.key"),
+             "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
+    assert r.returncode == 2 and "is not on the allow-list" in r.stderr, r
 
 
 def _bad_model_inputs(tmp):

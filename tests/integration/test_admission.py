@@ -1,0 +1,152 @@
+"""Trust at the swarm's door, with real p2pd daemons: private swarms and signed records.
+
+An allow-list keeps outsiders out and members train on. The outsiders are real peers: a learner
+started without being on the list, and a hivemind DHT node and averager that call the members' RPCs
+directly (DHT find and store, a state download). In a public swarm, progress records are signed
+and bound to their owner's peer ID: a forger storing over the wire reaches no reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import hivemind
+import pytest
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.admission import Admission, peer_id_of
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.hivemind_averaging import HivemindAveraging
+from p2p_diloco.lifecycle import start_dht
+from p2p_diloco.records import ProgressBoard, ProgressRecord, progress_key
+from p2p_diloco.signed_records import IdentityKey, owner_marker, peer_id_of_owner
+
+from .test_swarm import _assert_one_lineage
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(300)
+def test_outsiders_are_refused_and_members_train_on(swarm):
+    tmp = swarm.tmp
+    members = [peer_id_of(tmp / "bootstrap.key")] + [peer_id_of(tmp / f"ckpt-{i}" / "identity.key") for i in (0, 1)]
+    allow = tmp / "allowed.txt"
+    allow.write_text("# the swarm\n" + "\n".join(members) + "\n")
+    swarm.start_bootstrap(extra=["--allowed-peers", str(allow)])
+    learners = [swarm.start_learner(i, max_outer_steps=3, extra=["--allowed-peers", str(allow)]) for i in (0, 1)]
+
+    # An outsider learner cannot join: nobody answers it, so its DHT bootstrap fails.
+    outsider = swarm.start_learner(2, max_outer_steps=3)
+    assert outsider.wait(120) != 0, outsider.text()
+    outsider_id = peer_id_of(tmp / "ckpt-2" / "identity.key")
+    assert "could not start or join the DHT" in outsider.text(), outsider.text()
+
+    for p in learners:
+        assert p.wait(240) == 0, p.text()
+    _assert_one_lineage(swarm, (0, 1), 3)
+    for p in (swarm.bootstrap, *learners):
+        refusals = [line for line in p.text().splitlines() if f"refused peer {outsider_id}" in line]
+        assert len(refusals) <= 1, refusals  # once per peer and process
+    assert f"refused peer {outsider_id}" in swarm.bootstrap.text()
+
+
+async def _find(target, _dht, node):
+    """The outsider asks a member directly for the record (hivemind's DHT protocol; None: no answer)."""
+    return await node.protocol.call_find(target, [DHTID.generate("secret")])
+
+
+async def _store(target, _dht, node):
+    """The outsider asks a member directly to store a forged value (None: no answer)."""
+    return await node.protocol.call_store(target, [DHTID.generate("secret")], [b"forged"], [get_dht_time() + 60])
+
+
+@pytest.mark.timeout(150)
+def test_an_outsider_cannot_read_write_or_download(tmp_path):
+    keys = [tmp_path / f"member-{i}.key" for i in range(2)]
+    admission = Admission(frozenset(peer_id_of(k) for k in keys), "test list")
+    cfg = AveragingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0, request_timeout=1.0,
+                          round_timeout=20.0)
+    template = [torch.zeros(64, 8)]
+    started: list = []
+    try:
+        first = start_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                          identity_path=keys[0], startup_timeout=30, admission=admission)
+        started.append(first)
+        addrs = [str(a) for a in first.get_visible_maddrs()]
+        second = start_dht(initial_peers=addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                           identity_path=keys[1], startup_timeout=30, admission=admission)
+        started.append(second)
+        assert first.store("secret", b"members only", get_dht_time() + 60)
+
+        # No member answers the outsider's DHT pings: it cannot join through them.
+        with pytest.raises(Exception, match="bootstrap failed"):
+            started.append(hivemind.DHT(initial_peers=addrs, start=True))
+        outsider = hivemind.DHT(initial_peers=addrs, start=True, ensure_bootstrap_success=False)
+        started.append(outsider)
+        target = first.peer_id
+        assert outsider.run_coroutine(functools.partial(_find, target)) is None
+        assert outsider.run_coroutine(functools.partial(_store, target)) is None
+        assert second.get("secret", latest=True).value == b"members only"
+
+        served = [torch.ones(64, 8), torch.zeros(64, 8)]  # the served layout: parameters, then momentum
+        server = HivemindAveraging(first, template, cfg, prefix="private", state_provider=lambda: ({"v": 1}, served))
+        started.append(server)
+        member = HivemindAveraging(second, template, cfg, prefix="private")
+        started.append(member)
+        spy = HivemindAveraging(outsider, template, cfg, prefix="private")
+        started.append(spy)
+        assert spy.download_state_from(server.peer_id, timeout=5.0) is None
+        loaded = member.download_state_from(server.peer_id, timeout=20.0)
+        assert loaded is not None and torch.equal(loaded[1][0], served[0])
+    finally:
+        for s in reversed(started):
+            s.shutdown()
+
+
+@pytest.mark.timeout(150)
+def test_records_are_signed_and_forgeries_never_reach_a_reader(tmp_path):
+    """A public swarm: two learners' DHTs with signed records, and a forger storing over the wire."""
+    key = progress_key("lin")
+    started: list = []
+    try:
+        members = []
+        for i in range(2):
+            identity = tmp_path / f"member-{i}.key"
+            peer_id_of(identity)
+            members.append(start_dht(initial_peers=[str(a) for m in members[:1] for a in m.get_visible_maddrs()],
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                                     identity_path=identity, startup_timeout=30, signing=identity))
+            started.append(members[-1])
+            members[-1].protect([key])
+        boards = [ProgressBoard(m, "lin", 60.0, m.owner) for m in members]
+        genuine = ProgressRecord(4, "a" * 64, 100, versions=(4,), shas=("a" * 64,))
+        assert boards[0].publish(genuine)
+
+        # The forger signs with its own key (a valid record, in its own name), and also tries every forgery.
+        peer_id_of(tmp_path / "forger.key")
+        signer = RSASignatureValidator(IdentityKey.load(tmp_path / "forger.key"))
+        forger = hivemind.DHT(initial_peers=members[0].get_visible_maddrs(), start=True, record_validators=[signer])
+        started.append(forger)
+        ahead = ProgressRecord(2**40 - 1, "b" * 64, 1, versions=(2**40 - 1,), shas=("b" * 64,)).encode()
+        now = get_dht_time()
+        victim_marker = members[0].owner
+        forger.store(key, ahead, now + 30, subkey=members[0].peer_id.to_bytes())  # unsigned, old style
+        forger.store(key, ahead, now + 30, subkey=victim_marker)  # in the victim's name: no valid signature
+        forger.store(key, ahead, now + 10**6, subkey=owner_marker(signer))  # expires far too late
+        own = ProgressRecord(3, "c" * 64, 1, versions=(3,), shas=("c" * 64,))
+        forger.store(key, own.encode(), now + 30, subkey=owner_marker(signer))  # its own, honest record
+
+        forger_id = str(peer_id_of_owner(owner_marker(signer)))
+        for board in boards:
+            seen = board.read()
+            assert seen[str(members[0].peer_id)] == dataclasses.replace(genuine, wall_time=seen[
+                str(members[0].peer_id)].wall_time)
+            assert set(seen) == {str(members[0].peer_id), forger_id}, seen
+            assert seen[forger_id].version == 3
+    finally:
+        for s in reversed(started):
+            s.shutdown()

@@ -4,13 +4,15 @@ Each unit is a real learner training alone (a quorum of one, its own DHT, so rou
 and the figures are the unit's own), on the same model, config, shard and seed, for the same number
 of outer steps: first ``p2p-diloco learner`` (1 worker), then ``torchrun --nproc-per-node N -m
 p2p_diloco learner`` (N workers, DDP over gloo on the CPU, or nccl on GPUs with ``--set
-run.device=cuda``). The runs take turns, so they do not share the cores. Throughput is the summary's
-``tokens_per_second``: the unit's tokens (all workers') over its training wall time, rounds, evals
-and checkpoints included, as a user sees it. Beside each unit, the same inner steps in a bare loop
-(the trainer's step in DDP on the same parts of the shard; no swarm, rounds, evals, checkpoints or
-control words) show what the machine allows at that moment::
+run.device=cuda``; with ``--sharding fsdp`` the model is sharded over them instead, FSDP2, and rank 0
+keeps a host copy of θ, p2p_diloco/sharding.py). The runs take turns, so they do not share the
+cores. Throughput is the summary's ``tokens_per_second``: the unit's tokens (all workers') over its
+training wall time, rounds, evals and checkpoints included, as a user sees it. Beside each unit, the
+same inner steps in a bare loop
+(the trainer's step in DDP, or sharded, on the same parts of the shard; no swarm, rounds, evals,
+checkpoints or control words) show what the machine allows at that moment::
 
-    python benchmarks/unit_scaling.py --workers 1 2 --outer-steps 8 [--json benchmarks/results/unit_scaling.json]
+    python benchmarks/unit_scaling.py --workers 1 2 --outer-steps 8 [--sharding fsdp] [--json unit_scaling.json]
 
 On a CPU the N workers share the machine's cores: expect at most min(N, cores / run.threads) times
 the tokens/s of one worker, less the cost of DDP's all-reduce of the gradients at every step and of
@@ -40,7 +42,7 @@ def run_unit(workers: int, work: Path, args: argparse.Namespace) -> dict:
                str(work / f"ckpt-{workers}"), "--summary", str(work / f"summary-{workers}.json"),
                "--set", "averaging.min_group_size=1", "--set", f"inner.steps_per_outer={args.steps_per_outer}",
                "--set", f"run.threads={args.threads}", "--set", "run.linger_seconds=0",
-               *[a for o in args.overrides for a in ("--set", o)]]
+               "--set", f"run.sharding={args.sharding}", *[a for o in args.overrides for a in ("--set", o)]]
     launcher = ([sys.executable, "-m", "p2p_diloco"] if workers == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
                  "-m", "p2p_diloco"])
@@ -71,7 +73,7 @@ def run_bare(workers: int, args: argparse.Namespace) -> float:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers)]
     cmd = [*launcher, __file__, "--bare-worker", "--outer-steps", str(args.outer_steps), "--steps-per-outer",
            str(args.steps_per_outer), "--threads", str(args.threads), "--config", args.config,
-           *[a for o in args.overrides for a in ("--set", o)]]
+           "--sharding", args.sharding, *[a for o in args.overrides for a in ("--set", o)]]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("bare tokens/s ")]
@@ -81,17 +83,18 @@ def run_bare(workers: int, args: argparse.Namespace) -> float:
 
 
 def bare_worker(args: argparse.Namespace) -> None:
-    """The unit's inner steps alone: build, this worker's part of shard 0, DDP (under torchrun), timed steps."""
+    """The unit's inner steps alone: build, this worker's part of shard 0, DDP or FSDP (under torchrun), timed steps."""
     import torch
     import torch.distributed as dist
 
     from p2p_diloco.config import load_learner_config
+    from p2p_diloco.sharding import ShardedModel
     from p2p_diloco.startup import build, load_data
     from p2p_diloco.tokenizer import load_tokenizer
     from p2p_diloco.unit import part_of_shard
 
     cfg = load_learner_config(args.config, [f"inner.steps_per_outer={args.steps_per_outer}", "data.num_shards=4",
-                                            *args.overrides])
+                                            f"run.sharding={args.sharding}", *args.overrides])
     torch.set_num_threads(args.threads)
     trainer, _ = build(cfg)
     sampler = load_data(cfg, 0, load_tokenizer(cfg.data.tokenizer)).sampler
@@ -99,7 +102,11 @@ def bare_worker(args: argparse.Namespace) -> None:
     if workers > 1:
         dist.init_process_group("gloo")
         sampler = part_of_shard(sampler, rank, workers)
-        trainer.join_unit(torch.nn.parallel.DistributedDataParallel(trainer.model), workers)
+        if args.sharding == "fsdp":
+            trainer.join_sharded(ShardedModel(trainer.model, trainer.inner_opt, trainer.placement.device, rank,
+                                              workers, host=False, optimizer_steps={}), workers)
+        else:
+            trainer.join_unit(torch.nn.parallel.DistributedDataParallel(trainer.model), workers)
     steps = args.outer_steps * args.steps_per_outer
     for i in range(steps + 10):
         if i == 10:  # after a warm-up
@@ -132,6 +139,7 @@ def main() -> None:
     p.add_argument("--outer-steps", type=int, default=8)
     p.add_argument("--steps-per-outer", type=int, default=30)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--sharding", choices=["ddp", "fsdp"], default="ddp", help="run.sharding of the units of 2+")
     p.add_argument("--config", default=str(ROOT / "peers" / "small-cpu.toml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per unit")
@@ -150,8 +158,8 @@ def main() -> None:
             print(f"{n} worker(s): {results[n]['tokens_per_second']:,.0f} tokens/s as a learner, {bare[n]:,.0f} in a "
                   "bare loop", flush=True)
     print(f"\n{args.outer_steps} outer steps of {args.steps_per_outer} inner steps, {args.threads} thread(s) per "
-          f"worker, {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f}), device "
-          f"{results[args.workers[0]]['device']}\n")
+          f"worker, {args.sharding} in units of 2+, {os.cpu_count()} cores (load average "
+          f"{os.getloadavg()[0]:.1f}), device {results[args.workers[0]]['device']}\n")
     print(table(results, bare))
     if args.json:
         Path(args.json).write_text(json.dumps({str(n): {**s, "bare_tokens_per_second": bare[n]}

@@ -26,7 +26,9 @@ Incoming parts that are not finite are refused and their sender is banned from t
    already in Θ (docs/resilience.md, "Exactly-once contributions").
 5. A reducer takes each sender's weight (and its clipping factor) from the group's gathered
    metadata, never from the part: every reducer uses the same numbers, and a part claiming
-   ``weight=1e15`` counts like any other. Members whose contributions the group excluded
+   ``weight=1e15`` counts like any other. With a robust aggregator (``averaging.aggregator``,
+   :class:`RobustReducer`) it combines the parts by a coordinate-wise median or trimmed mean
+   instead. Members whose contributions the group excluded
    (:mod:`p2p_diloco.exclusion`) take part as hivemind's auxiliary peers with no shard: they send
    nothing and reduce nothing, and parts from them are refused unread.
 """
@@ -49,6 +51,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from p2p_diloco.aggregators import aggregate
 from p2p_diloco.codecs import decode
 from p2p_diloco.faults import FaultPlan
 
@@ -98,6 +101,41 @@ class AllOrNothingReducer(TensorPartReducer):
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
 
 
+class _Collected:
+    """Stands in for hivemind's running weighted sum of one part: keeps every sender's part, and on
+    ``div_`` (hivemind's last step of a part) returns their robust aggregate."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, tensor_part: torch.Tensor, alpha: float = 1.0):
+        self.parts.append(tensor_part.float().clone())
+        self.weights.append(float(alpha))
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        return aggregate(self.parts, self.weights, self.kind)
+
+
+class RobustReducer(AllOrNothingReducer):
+    """:class:`AllOrNothingReducer` that combines each part by a robust aggregator (p2p_diloco/aggregators.py).
+
+    Every sender's part is kept until the last one arrives (the reducer's memory grows from one part to
+    one part per sender); the result is the same at whichever reducer computes it.
+    """
+
+    def __init__(self, part_shapes, num_senders: int, aggregator: str):
+        self.aggregator = aggregator
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _Collected(self.aggregator)
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """:class:`AllReduceRunner` that returns averages (not deltas) identical across the group.
 
@@ -106,7 +144,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, tensors, peer_fractions, ordered_peer_ids, p2p, sender_weights, sender_scales=None,
-                 **kwargs):
+                 aggregator="mean", **kwargs):
         # (unannotated like hivemind's: annotating would make mypy check a body built on untyped attributes)
         container_kwargs = {
             k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos") if k in kwargs
@@ -118,9 +156,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             tensors, peer_fractions, return_deltas=False, **container_kwargs
         )
         self.tensor_part_reducer.finished.set()  # hivemind's own, unused: its finalize would warn "received 0%"
-        self.tensor_part_reducer = AllOrNothingReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
-        )
+        shapes = tuple(part.shape for part in self.parts_for_local_averaging)
+        self.tensor_part_reducer = (AllOrNothingReducer(shapes, len(self.sender_peer_ids)) if aggregator == "mean"
+                                    else RobustReducer(shapes, len(self.sender_peer_ids), aggregator))
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self._my_parts_with_info = list(self.tensor_part_container._input_parts_by_peer[my_index])
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)

@@ -11,6 +11,7 @@ side of it.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
@@ -81,6 +82,8 @@ class OuterGradientAverager(DecentralizedAverager):
         self._faults = faults or FaultPlan()
         self._fault_round = 0
         self._fragments = [tuple(f) for f in fragments]
+        # Bytes of each fragment's served tensors (parameters and momentum, fp32): a download's cap.
+        self._served_bytes = [8 * sum(averaged_tensors[i].numel() for i in f) for f in self._fragments]
         self._codecs = list(codecs)
         self._round_stats: dict[bytes, dict[str, float]] = {}
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -253,31 +256,75 @@ class OuterGradientAverager(DecentralizedAverager):
     async def _load_state_from_peer(
         self, peer: str, timeout: float, future: MPFuture, fragments: list[int] | None = None
     ) -> None:
-        # Mirrors the per-peer body of DecentralizedAverager._load_state_from_peers.
         try:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            if fragments is None:
-                stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            else:
-                request = averaging_pb2.AveragingData(group_id=self.serializer.dumps(fragments))
-                stream = await stub.rpc_download_fragments(request)
-            metadata: Any = None
-            tensors: list[torch.Tensor] = []
-            parts: list[Any] = []
-            async for message in aiter_with_timeout(stream, timeout=timeout):
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            future.set_result((metadata, tensors) if metadata is not None else None)
+            future.set_result(await self._download(PeerID.from_base58(peer), timeout, fragments))
         except Exception as e:  # noqa: BLE001 - any failure: the caller tries another peer
             logger.warning(f"download from {peer} failed: {e!r}")
             if not future.done():
                 future.set_result(None)
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
+        """hivemind's "download from the peer of highest priority", through :meth:`_download` (capped)."""
+        try:
+            prefix = self._matchmaking.group_key_manager.prefix
+            found = self.dht.get(f"{prefix}.all_averagers", latest=True)
+            priority = {}
+            for peer_id, info in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+                value = getattr(info, "value", None)
+                if isinstance(value, float | int):
+                    try:
+                        priority[PeerID(peer_id)] = (float(value), random.random())
+                    except Exception:  # noqa: BLE001 - a malformed subkey from a peer
+                        continue
+            for peer in sorted(priority, key=priority.__getitem__, reverse=True)[:_MAX_PEERS_TRIED]:
+                if peer == self.peer_id:
+                    continue
+                try:
+                    loaded = await self._download(peer, timeout or self.next_chunk_timeout or 15.0, None)
+                except Exception as e:  # noqa: BLE001 - try the next peer
+                    logger.warning(f"download from {peer} failed: {e!r}")
+                    continue
+                if loaded is not None:
+                    future.set_result(loaded)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download(self, peer: PeerID, timeout: float, fragments: list[int] | None) -> tuple[Any, list] | None:
+        """(metadata, tensors) that ``peer`` serves (only ``fragments``' tensors if given), or None if it
+        serves nothing. A stream longer than :meth:`download_cap` is cut (ValueError)."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        if fragments is None:
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        else:
+            request = averaging_pb2.AveragingData(group_id=self.serializer.dumps(fragments))
+            stream = await stub.rpc_download_fragments(request)
+        metadata: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[Any] = []
+        received, cap = 0, self.download_cap(fragments)
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            received += len(message.tensor_part.buffer) + len(message.metadata)
+            if received > cap:
+                raise ValueError(f"the download exceeds {cap} bytes, the most this state can take; cut")
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata is not None else None
+
+    def download_cap(self, fragments: Sequence[int] | None) -> int:
+        """The most bytes a download of ``fragments`` (None: all) may carry: the tensors' fp32 bytes, 1%
+        and 64 KiB per tensor for framing, and :data:`MAX_METADATA_BYTES` of metadata."""
+        wanted = range(len(self._fragments)) if fragments is None else fragments
+        tensors = sum(2 * len(self._fragments[f]) for f in wanted if 0 <= f < len(self._fragments))
+        raw = sum(self._served_bytes[f] for f in wanted if 0 <= f < len(self._fragments))
+        return int(raw * 1.01) + 65536 * tensors + MAX_METADATA_BYTES
 
     def get_current_state(self):
         """hivemind's state-sharing hook, run on a thread of the learner's process: what peers download.
@@ -288,6 +335,10 @@ class OuterGradientAverager(DecentralizedAverager):
             return {}, [], None
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+
+MAX_METADATA_BYTES = 8 * 1024 * 1024  # served metadata: per fragment, history, contributors, certificates
+_MAX_PEERS_TRIED = 8  # a download from "any peer" tries at most this many, highest priority first
 
 
 def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: Verdict) -> dict[str, Any]:
@@ -302,7 +353,7 @@ def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: V
     )
     senders = [str(p) for p, mode in zip(peer_ids, modes, strict=True) if mode != AveragingMode.AUX]
     return {"modes": modes, "sender_weights": [verdict.weights[p] for p in senders],
-            "sender_scales": [verdict.part_scale(p) for p in senders]}
+            "sender_scales": [verdict.part_scale(p) for p in senders], "aggregator": verdict.aggregator}
 
 
 def _agreed_fragment(gathered: dict, num_fragments: int) -> int:

@@ -1,6 +1,11 @@
 """Catching up: deciding that the swarm is ahead (or holds a sibling lineage), downloading the newer
 state of those fragments from peers, and taking it: adopt a descendant, merge a sibling (split brain),
 and rebase local progress onto the result without contributing an outer gradient twice.
+
+A downloaded state is taken only with a valid commit certificate (:class:`~p2p_diloco.certificates.Verifier`):
+a peer whose state is refused is distrusted for :data:`DISTRUST_SECONDS` (its progress records are
+ignored meanwhile, so a forged "ahead" record costs at most one download). The contributors that
+decide exactly-once contributions are read from the certificates, never from the served list alone.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2p_diloco.averaging import Averaging
+from p2p_diloco.certificates import Certifier, Commit, Verifier
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.fragments import Fragment
@@ -23,6 +29,8 @@ from p2p_diloco.records import ProgressRecord
 from p2p_diloco.served import parse_download
 
 logger = logging.getLogger(__name__)
+
+DISTRUST_SECONDS = 300.0
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Behind:
     peers: list[str]
     fragments: list[int]
     reason: str
+    claims: dict[str, dict[int, int]] = field(default_factory=dict)  # peer → fragment → version its record claims
 
 
 class CatchUp:
@@ -50,9 +59,12 @@ class CatchUp:
     Used from the training thread; only :meth:`fetch` runs on the background download thread.
     """
     def __init__(self, cfg: LearnerConfig, state: LearnerState, averaging: Averaging, progress: Progress,
-                 should_stop: Callable[[], bool]):
+                 should_stop: Callable[[], bool], verifier: Verifier | None = None,
+                 certifier: Certifier | None = None):
         self.cfg, self.state, self.averaging, self.progress = cfg, state, averaging, progress
         self.should_stop = should_stop
+        self.verifier = verifier  # None: downloads are taken on their hashes alone (tests without a swarm)
+        self.certifier = certifier  # signs the merges this learner computes
         self.download: Download | None = None
         self.done_ahead = 0  # newest version seen in a peer that finished ("done")
         self.swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
@@ -76,11 +88,11 @@ class CatchUp:
         logger.info(f"the swarm {behind.reason} our version {self.state.version} of fragments {behind.fragments}: "
                     f"downloading{' in the background' if background else ''}")
         if not background:
-            return self.adopt(self.fetch(behind.peers, behind.fragments))
+            return self.adopt(self.fetch(behind.peers, behind.fragments, behind.claims))
         task = Download(fragments=tuple(behind.fragments), started=time.perf_counter())
 
         def fetch() -> None:
-            task.result = self.fetch(behind.peers, behind.fragments)
+            task.result = self.fetch(behind.peers, behind.fragments, behind.claims)
 
         task.thread = threading.Thread(target=fetch, daemon=True, name="state-download")
         self.download = task
@@ -121,7 +133,8 @@ class CatchUp:
             peers = [p for p, _ in sorted(ahead.items(), key=lambda kv: kv[1], reverse=True)]
             peers += [p for p, _ in sorted(siblings.items(), key=lambda kv: kv[1], reverse=True) if p not in ahead]
             reason = "is ahead of" if ahead else "holds a sibling lineage of"
-            return Behind(peers, sorted(fragments), reason)
+            claims = {p: {f: live[p].fragment_version(f) for f in fragments} for p in peers}
+            return Behind(peers, sorted(fragments), reason, claims)
         self._check_swarm_end(records, live)
         return Behind([], [], "")
 
@@ -158,9 +171,13 @@ class CatchUp:
             logger.warning(f"the swarm reached the target at version {self.done_ahead} and left while we were "
                            "behind; stopping too (local progress is in the checkpoint)")
 
-    def fetch(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None) -> dict[int, GlobalState]:
+    def fetch(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None,
+              claims: dict[str, dict[int, int]] | None = None) -> dict[int, GlobalState]:
         """Download and verify ``fragments`` (all when None) from the first of ``peers`` that serves them,
-        else the whole state from any peer. Touches no learner state: safe in a background thread."""
+        else the whole state from any peer. Touches no learner state: safe in a background thread.
+
+        ``claims``: the versions each peer's record claimed; a peer that serves less than it claimed, or a
+        state that fails verification, is distrusted (:meth:`Progress.distrust`)."""
         attempts: list[str | None] = [*peers[:3], None]  # None: any peer, newest first (hivemind's priority)
         for peer in attempts:
             if self.should_stop():
@@ -173,12 +190,34 @@ class CatchUp:
                 logger.warning(f"no state from {peer or 'any peer'}")
                 continue
             theirs, problem = parse_download(*loaded, self.state.states, wanted)
+            problem = problem or self._uncertified(theirs)
             if problem:
                 logger.warning(f"rejected state from {peer or 'a peer'}: {problem}")
+                if peer is not None:
+                    self.progress.distrust(peer, DISTRUST_SECONDS)
+                continue
+            claimed = (claims or {}).get(peer or "", {})
+            short = [f for f, v in claimed.items() if f in theirs and theirs[f].version < v]
+            if short:  # versions only grow: its record lied
+                logger.warning(f"{peer} claimed version {claimed[short[0]]} of fragment {short[0]} but serves "
+                               f"{theirs[short[0]].version}; ignoring its records for {DISTRUST_SECONDS:.0f} s")
+                self.progress.distrust(str(peer), DISTRUST_SECONDS)
                 continue
             if any(not same_or_behind(self.state.states[f], s) for f, s in theirs.items()):
                 return theirs
         return {}
+
+    def _uncertified(self, theirs: dict[int, GlobalState]) -> str:
+        """Why a downloaded state may not be taken ("" if it may): a fragment ahead of ours or beside it
+        without a valid certificate."""
+        if self.verifier is None:
+            return ""
+        for f, s in sorted(theirs.items()):
+            if not same_or_behind(self.state.states[f], s):
+                problem = self.verifier.check(f, s.version, s.sha256(), s.certificates)
+                if problem:
+                    return problem
+        return ""
 
     def adopt(self, theirs: dict[int, GlobalState]) -> list[int]:
         """Take the fragments of ``theirs`` that are ahead of ours; returns those that changed."""
@@ -204,10 +243,31 @@ class CatchUp:
             logger.warning(f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a "
                            f"peer's v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} "
                            f"{new.sha256()[:12]} weighted by tokens")
+            self._certify_merge(frag.index, new)
         self._rebase_onto(frag, ours, self.state.pin(new))
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new
         return True
+
+    def _certify_merge(self, fragment: int, merged: GlobalState) -> None:
+        """Sign the merge and collect the signatures of the others that compute it (it is deterministic).
+        Without a quorum the merged state is still ours; peers then merge for themselves instead of
+        downloading it from us."""
+        if self.certifier is None:
+            return
+        cert = self.certifier.certify(Commit(self.certifier.lineage, fragment, merged.version, merged.sha256(), ""))
+        if isinstance(cert, str):
+            logger.info(f"merged state of fragment {fragment} is not certified ({cert}); peers merge on their own")
+        else:
+            merged.add_certificate(merged.version, cert.to_dict())
+
+    def _contributed(self, new: GlobalState, version: int) -> bool | None:
+        """Whether our outer gradient is in ``version`` of ``new``: from its certificate when we verify, else
+        from its contributors list; None when it cannot tell."""
+        if self.verifier is None:
+            return new.contributed(version, self.state.peer_id)
+        peers = self.verifier.contributors(version, new.certificates)
+        return None if peers is None else self.state.peer_id in peers
 
     def _rebase_onto(self, frag: Fragment, ours: GlobalState, new: GlobalState) -> None:
         """Move our progress on ``frag`` onto ``new``, minus an outer gradient that is already in it."""
@@ -216,7 +276,7 @@ class CatchUp:
         pending = self.state.unconfirmed.pop(f, None)
         included = None
         if pending is not None and pending.version == ours.version and new.version > ours.version:
-            included = new.contributed(ours.version + 1, self.state.peer_id)
+            included = self._contributed(new, ours.version + 1)
         if pending is None or not included:
             if included is None and pending is not None and new.version > ours.version:
                 logger.warning(f"fragment {f}: cannot tell whether our outer gradient from version {ours.version} "

@@ -12,6 +12,11 @@ The learner does not wait for the disk: :class:`CheckpointWriter` takes a copy o
 writes it on a background thread (0.22 s and 99 MB for ``peers/default.toml``'s model with its
 optimizer state, against a copy of a few tens of milliseconds). A newer snapshot replaces one that
 is still waiting, since only the newest checkpoint is ever resumed from.
+
+Beside ``latest.pt`` a directory holds copies of the small files that rebuilding the model needs
+besides Θ (:func:`save_model_files`): a Hugging Face model's ``model/config.json`` and the
+tokenizer's ``tokenizer/tokenizer.json`` (or ``.model``). With them ``p2p-diloco export`` works from
+anywhere, whatever became of the directories the learner was started with.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ logger = logging.getLogger("p2p_diloco.checkpoint")
 
 LATEST = "latest.pt"
 FORMAT = 2  # bumped when the payload layout changes
+MODEL_DIR = "model"  # copies of a Hugging Face model's config files (never its weights: Θ is in latest.pt)
+MODEL_FILES = ("config.json", "generation_config.json")
+TOKENIZER_DIR = "tokenizer"  # a copy of the tokenizer file, as tokenizer.json or tokenizer.model
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -89,6 +97,53 @@ def claim_checkpoint_dir(explicit: str | None, root: str = "checkpoints") -> tup
     raise CheckpointError(f"no free checkpoint directory under {root}")
 
 
+def tokenizer_copy_name(tokenizer_file: str | Path) -> str:
+    """The name of a tokenizer file's copy in ``TOKENIZER_DIR``: ``tokenizer.model`` for SentencePiece, else
+    ``tokenizer.json`` (the names transformers looks for)."""
+    return "tokenizer.model" if Path(tokenizer_file).suffix == ".model" else "tokenizer.json"
+
+
+def save_model_files(directory: Path, model_path: str | Path | None, tokenizer_file: Path | None) -> None:
+    """Copy the config files of the Hugging Face model in ``model_path`` into ``directory/model/``, and the
+    tokenizer file into ``directory/tokenizer/``; None (the built-in model, bytes) copies nothing.
+
+    Weights are never copied (Θ is the checkpoint). Each file is written atomically and only when its
+    content changed, so a resume rewrites nothing; a write that fails is one CheckpointError line.
+    """
+    copies: list[tuple[Path, Path]] = []
+    stale: list[Path] = []  # another model's or tokenizer's copies, left by an earlier run in this directory
+    if model_path is not None:
+        for name in MODEL_FILES:  # config.json always (the learner has read it), the others where they exist
+            source, target = Path(model_path) / name, directory / MODEL_DIR / name
+            if name == MODEL_FILES[0] or source.is_file():
+                copies.append((source, target))
+            else:
+                stale.append(target)
+    if tokenizer_file is not None:
+        name = tokenizer_copy_name(tokenizer_file)
+        copies.append((Path(tokenizer_file), directory / TOKENIZER_DIR / name))
+        stale.append(directory / TOKENIZER_DIR / ("tokenizer.json" if name == "tokenizer.model" else "tokenizer.model"))
+    try:
+        for source, target in copies:
+            _write_if_changed(target, source.read_bytes())
+        for path in stale:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot copy the model's files into {directory}: {e.strerror or e}") from None
+
+
+def _write_if_changed(target: Path, data: bytes) -> None:
+    if target.is_file() and target.read_bytes() == data:
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
 def save_checkpoint(directory: Path, payload: dict[str, Any], before_rename=None) -> Path:
     """Write ``payload`` to a temporary file, fsync it, rename it over ``latest.pt``.
 
@@ -124,7 +179,24 @@ def load_checkpoint(directory: Path) -> dict[str, Any] | None:
                               "move it away to start fresh") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a p2p-diloco checkpoint")
+    bad = _non_finite(payload)
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds NaN or Inf in {bad}; move it away to start fresh "
+                              "(or resume from a peer's state)")
     return payload
+
+
+def _non_finite(payload: dict[str, Any]) -> str:
+    """Where the checkpoint's model or global state holds a value that is not finite ("" if nowhere)."""
+    model = payload.get("model")
+    for name, t in (model.items() if isinstance(model, dict) else ()):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"the local model ({name})"
+    for f, g in enumerate(payload.get("global") or ()):
+        tensors = [*g.get("params", []), *g.get("momentum", [])] if isinstance(g, dict) else []
+        if any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in tensors):
+            return f"the global state of fragment {f}"
+    return ""
 
 
 class CheckpointWriter:

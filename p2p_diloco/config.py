@@ -137,6 +137,13 @@ class AveragingConfig(_Section):
     ban_rounds: int = Field(3, ge=0, le=1000, description="how many of this learner's next rounds it bans a peer "
                                                            "it saw excluded for a bad contribution (a ban counts "
                                                            "when a majority of the group holds it)")
+    aggregator: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean", description="how reducers combine the contributions to their shard: the token-weighted mean, or a "
+                            "robust coordinate-wise median / trimmed mean that ignores self-reported weights "
+                            "(p2p_diloco/aggregators.py)")
+    certify_timeout: float = Field(
+        10.0, gt=0.0, description="after the all-reduce, how long a round waits for the signatures of at least K "
+                                  "contributors (its commit certificate) before it fails without committing")
 
     @model_validator(mode="after")
     def _consistent(self) -> AveragingConfig:
@@ -218,6 +225,10 @@ class RunConfig(_Section):
                                   "the swarm in one last round per fragment (0: leave at once; a second signal also "
                                   "leaves at once)")
     log_every: int = Field(10, ge=1, description="inner steps between progress lines")
+    sharding: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="in a torchrun unit of several workers: ddp (every worker holds the whole model) or fsdp "
+                           "(each holds 1/N of θ, its gradients and inner-optimizer state; rank 0 keeps a full copy "
+                           "of θ in host memory); ignored by a learner of one worker")
 
 
 class LearnerConfig(_Section):

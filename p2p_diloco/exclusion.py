@@ -34,6 +34,10 @@ Clipping: with ``max_contribution_norm`` c, a contribution of norm n > c is scal
 before it is averaged (reducers scale its parts; for radial-directional averaging, whose parts
 are unit vectors, the round scales its norm instead).
 
+Aggregation: ``aggregator`` (:mod:`p2p_diloco.aggregators`) is how each reducer combines the
+contributions that are left: the token-weighted mean, or a coordinate-wise median or trimmed mean
+that ignores the self-reported weights.
+
 The thresholds themselves must be the same at every member, or members would disagree: each
 member gathers its :class:`Rules` and :func:`agreed_rules` refuses a group whose members differ.
 """
@@ -47,6 +51,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2p_diloco.aggregators import AGGREGATORS
+
 logger = logging.getLogger(__name__)
 
 MAX_BANS = 64  # entries of a groupmate's ban list that are read (a list can be no reason to allocate)
@@ -58,14 +64,16 @@ class RulesDisagree(ValueError):
 
 @dataclass(frozen=True)
 class Rules:
-    """The robust-merging thresholds (``averaging.norm_outlier_factor``, ``averaging.max_contribution_norm``)."""
+    """The robust-merging rules (``averaging.norm_outlier_factor``, ``averaging.max_contribution_norm``,
+    ``averaging.aggregator``)."""
 
     norm_outlier_factor: float = 8.0  # 0 disables the outlier rule
     max_contribution_norm: float | None = None  # None: no clipping
+    aggregator: str = "mean"  # how reducers combine contributions (p2p_diloco/aggregators.py)
 
-    def gathered(self) -> list[float | None]:
+    def gathered(self) -> list[float | str | None]:
         """The form a member gathers to its group."""
-        return [float(self.norm_outlier_factor), self.max_contribution_norm]
+        return [float(self.norm_outlier_factor), self.max_contribution_norm, self.aggregator]
 
 
 def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
@@ -73,8 +81,8 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
 
     Raises :class:`RulesDisagree` when members gathered different or malformed rules.
 
-    >>> agreed_rules({"a": {"rules": [4.0, None]}, "b": {"rules": [4.0, None]}}, Rules())
-    Rules(norm_outlier_factor=4.0, max_contribution_norm=None)
+    >>> agreed_rules({"a": {"rules": [4.0, None, "median"]}, "b": {"rules": [4.0, None, "median"]}}, Rules())
+    Rules(norm_outlier_factor=4.0, max_contribution_norm=None, aggregator='median')
     """
     seen = {_frozen(m.get("rules") if isinstance(m, dict) else None) for m in gathered.values()}
     if len(seen) != 1:
@@ -82,12 +90,12 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
     (only,) = seen
     if only is None:
         return default
-    if not isinstance(only, tuple) or len(only) != 2:
+    if not isinstance(only, tuple) or len(only) != 3 or only[2] not in AGGREGATORS:
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
     factor, cap = _number(only[0]), None if only[1] is None else _number(only[1])
     if factor is None or (only[1] is not None and (cap is None or cap <= 0)):
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
-    return Rules(factor, cap)
+    return Rules(factor, cap, str(only[2]))
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ class Verdict:
     weights: dict[str, float] = field(default_factory=dict)
     scales: dict[str, float] = field(default_factory=dict)
     unit: frozenset[str] = frozenset()
+    aggregator: str = "mean"  # the rules' aggregator: how reducers combine the contributions
 
     def contributors(self, peers: Iterable[str]) -> list[str]:
         """``peers`` that are not excluded, sorted."""
@@ -166,7 +175,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     cap = rules.max_contribution_norm
     scales = {p: cap / n for p, n in norms.items() if p not in excluded and cap is not None and n > cap}
     unit = frozenset(p for p in weights if p not in excluded and gathered[p].get("unit") is True)
-    return Verdict(excluded, {p: w for p, w in weights.items() if p not in excluded}, scales, unit)
+    return Verdict(excluded, {p: w for p, w in weights.items() if p not in excluded}, scales, unit, rules.aggregator)
 
 
 @dataclass

@@ -6,6 +6,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     hang for S s at round R during STAGE
     drop for S s at round R during STAGE
     poison at round R with nan|flip|scale X
+    lie at round R with ahead|state|weight
 
 A *round R* is the round that produces global version R of a fragment (the R-th outer step).
 STAGE names where in the learner's life the fault fires:
@@ -31,6 +32,11 @@ the learner itself trains on, like a machine whose network link goes down.
 from R on (a broken learner stays broken): ``nan`` makes every value NaN (training that diverged),
 ``flip`` negates Δ (a learner that climbs the loss), ``scale X`` multiplies it by X (exploding
 updates). The round then gathers the corrupted Δ's norm, as an honest but broken learner would.
+``lie`` makes the learner a malicious member from round R on: ``ahead`` signs progress records that
+claim 1,000 versions more than it holds (a forged "the swarm is ahead"); ``state`` serves a poisoned
+global state, Θ scaled by −50 at a version 3 ahead, whose history lists the states its victims hold
+(it is its own lineage's history), hash recomputed, and advertises it in its progress record;
+``weight`` gathers a weight of 1e15 for its outer gradient (its tokens as it reports them).
 
 Example, as a test would write it::
 
@@ -49,7 +55,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI checks a plan without loading torch
     import torch
@@ -62,6 +68,9 @@ _LINE = re.compile(
 _POISON = re.compile(
     r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale)(?:\s+(?P<factor>\S+))?\s*$"
 )
+_LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>ahead|state|weight)\s*$")
+LIE_WEIGHT = 1e15  # the weight a learner lying "with weight" gathers for its outer gradient
+LIE_VERSIONS = {"ahead": 1000, "state": 3}  # how far ahead each lie claims to be
 
 
 class FaultPlanError(ValueError):
@@ -102,6 +111,12 @@ class FaultPlan:
             if line.strip().startswith("poison"):
                 faults.append(_parse_poison(line))
                 continue
+            if line.strip().startswith("lie"):
+                lie = _LIE.match(line)
+                if not lie:
+                    raise FaultPlanError(f"fault {line.strip()!r}: expected 'lie at round R with ahead|state|weight'")
+                faults.append(Fault("lie", int(lie["round"]), "record", mode=lie["mode"]))
+                continue
             m = _LINE.match(line)
             if not m:
                 raise FaultPlanError(
@@ -134,6 +149,10 @@ class FaultPlan:
                 return [d * (-1.0 if f.mode == "flip" else f.factor) for d in deltas]
         return list(deltas)
 
+    def lying(self, mode: str, round_: int) -> bool:
+        """Whether a ``lie ... with mode`` is due at ``round_`` (it lasts from its round on)."""
+        return any(f.action == "lie" and f.mode == mode and f.round <= round_ for f in self.faults)
+
     def _next(self, stage: str, round_: int) -> int | None:
         for i, f in enumerate(self.faults):
             matches = f.round == round_ or (stage == "serve" and round_ >= f.round)
@@ -151,6 +170,20 @@ class FaultPlan:
         if i is not None:
             self._fired.add(i)
             _execute(self.faults[i])
+
+
+def forged_states(states: Sequence[Any]) -> list[Any]:
+    """What a learner lying ``with state`` serves instead of ``states`` (GlobalStates): each fragment's Θ
+    scaled by −50, LIE_VERSIONS["state"] versions ahead, its real history (the victims' states) plus
+    the forgery, the hash recomputed; its certificates are the real ones, for other versions."""
+    out = []
+    for s in states:
+        fake = s.copy()
+        fake.params = [p * -50.0 for p in fake.params]
+        fake.version += LIE_VERSIONS["state"]
+        fake.remember()
+        out.append(fake)
+    return out
 
 
 def _parse_poison(line: str) -> Fault:

@@ -3,8 +3,10 @@ shard, in lockstep with rank 0, and nothing else (no DHT, averager, records or c
 
 Each step mirrors one of rank 0's (:mod:`p2p_diloco.unit` has the protocol)::
 
-    receive the start (shard, cursor, schedule position); DDP takes rank 0's θ; receive the optimizer moments
-    repeat: receive a control word and the fragments rank 0 changed since the last one
+    receive the start (shard, cursor, schedule position), rank 0's θ and the optimizer moments; DDP or FSDP
+    repeat: receive a control word
+            a gather (sharded)? take part in gathering θ into rank 0's host copy, then the next word
+            receive the fragments rank 0 changed since the last one
             the end? leave. Otherwise one inner step at the version and lr position rank 0 gave
 
 Ctrl+C and SIGTERM are ignored here: torchrun sends them to every worker, and leaving is rank 0's
@@ -26,7 +28,7 @@ from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.startup import build, load_data
 from p2p_diloco.tokenizer import load_tokenizer
 from p2p_diloco.trainer import Trainer
-from p2p_diloco.unit import UnitGroup, fragment_params, optimizer_moments, part_of_shard, unit_broken
+from p2p_diloco.unit import GATHER_ALL, UnitGroup, fragment_indices, part_of_shard, unit_broken
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,9 @@ def follow(cfg: LearnerConfig, group: UnitGroup) -> int:
     sampler = part_of_shard(data.sampler, group.rank, group.workers)
     sampler.cursor = start.cursor
     try:
-        trainer.join_unit(group.wrap(trainer.model), group.workers)
-        group.broadcast(optimizer_moments(trainer.inner_opt, start.optimizer_steps))
+        group.train_together(trainer, start.optimizer_steps)
         trainer.lr_position.load(start.lr_position)
-        group.record(at.steps, at.version, trainer.params)
+        group.record(at.steps, at.version, trainer)
         logger.info(f"training as worker {group.rank} of a learner unit of {group.describe()} on its part of "
                     f"shard {start.shard}; rank 0 decides when to stop")
         _steps(cfg, group, trainer, state, sampler, at)
@@ -93,10 +94,14 @@ def _steps(cfg: LearnerConfig, group: UnitGroup, trainer: Trainer, state: Learne
     began = time.perf_counter()
     while True:
         word = group.word(None, len(state.fragments))
+        if word.gathers:
+            assert trainer.sharded is not None, "a gather word in a unit without sharding"
+            trainer.sharded.gather(fragment_indices(state, word.fragments), optimizer=word.kind == GATHER_ALL)
+            continue
         at.version = word.version
-        group.broadcast(fragment_params(state, word.changed))
-        if word.changed:
-            group.record(at.steps, at.version, trainer.params)
+        group.share(trainer, state, word.fragments)
+        if word.fragments:
+            group.record(at.steps, at.version, trainer)
         if not word.go:
             group.part()
             return

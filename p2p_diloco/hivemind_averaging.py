@@ -142,7 +142,7 @@ class HivemindAveraging:
             return result
 
     def _rules(self) -> Rules:
-        return Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm)
+        return Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
 
     def _gathered(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any],
                   fragment: int) -> dict[str, Any]:

@@ -4,29 +4,39 @@ protocol. A learner of one worker gets :class:`Solo`, whose hooks do nothing.
 
 The hooks, in the order the learner calls them::
 
-    attach(trainer, data, state)   after set-up: the start, DDP, the optimizer's moments; data.sampler → rank 0's part
+    attach(trainer, data, state)   after set-up: the start, DDP or FSDP, the optimizer's moments; rank 0's data part
     sync(go) before each step      a control word and the fragments changed since the last one; False ends the loop
-    with stepping(): step          DDP's all-reduce runs inside; a failure there breaks the unit
+    with stepping(): step          DDP's all-reduce (FSDP's gathers) runs inside; a failure there breaks the unit
+    refresh(optimizer)             before rank 0 reads all of θ (eval, checkpoint): a sharded unit's gather
     finish()                       after the parting rounds: the last word, with the final θ changes
     close()                        on the way out, whatever happened: the others leave too, if they still can
+
+With ``run.sharding=fsdp`` rank 0's θ (``LearnerState.params``) is the host copy of the sharded model
+(:mod:`p2p_diloco.sharding`). It is stale after each inner step; the first read of a fragment's θ
+between two steps (``LearnerState.local``: a round's snapshot, applying a result, a rebase) gathers
+that fragment first, :meth:`Leader.refresh` gathers them all (and the optimizer's moments for a
+checkpoint). What rank 0 then changes in it goes to every shard with the next word, as in DDP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.trainer import Trainer
 from p2p_diloco.unit import (
+    END,
+    GATHER,
+    GATHER_ALL,
+    STEP,
     Start,
     UnitBroken,
     UnitGroup,
     Word,
-    fragment_params,
-    optimizer_moments,
+    fragment_indices,
     part_of_shard,
     unit_broken,
 )
@@ -52,6 +62,10 @@ class UnitHooks(Protocol):
         """Around each inner step (DDP's collectives run inside it)."""
         ...
 
+    def refresh(self, optimizer: bool = False) -> None:
+        """Before rank 0 reads all of θ (an eval of the local model; with ``optimizer``, a checkpoint)."""
+        ...
+
     def finish(self) -> None:
         """After the parting rounds: the others take the final θ and leave."""
         ...
@@ -73,6 +87,9 @@ class Solo:
     def stepping(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def refresh(self, optimizer: bool = False) -> None:
+        pass
+
     def finish(self) -> None:
         pass
 
@@ -88,6 +105,9 @@ class Leader:
         self.phase = "new"  # → "starting" → "training" → "ended"; "broken" after a failed collective
         self._trainer: Trainer | None = None
         self._state: LearnerState | None = None
+        # Sharded: the fragments whose host θ equals the shards since the last step, and the moments'.
+        self._fresh: set[int] = set()
+        self._moments_fresh = False
 
     def attach(self, trainer: Trainer, data: LocalData, state: LearnerState) -> None:
         g = self.group
@@ -99,12 +119,15 @@ class Leader:
         self.phase = "starting"
         with self._collective("starting the other workers"):
             g.start(start)
-            trainer.join_unit(g.wrap(trainer.model), g.workers)
-            g.broadcast(optimizer_moments(opt, start.optimizer_steps))
+            g.train_together(trainer, start.optimizer_steps)
         data.sampler = part
         self._trainer, self._state, self.phase = trainer, state, "training"
+        if trainer.sharded is not None:  # θ is the host copy from now on: up to date until the first step
+            state.params = trainer.sharded.host_params
+            state.before_local = lambda fragment: self._gather([fragment.index])
+            self._fresh, self._moments_fresh = set(range(len(state.fragments))), True
         state.changed.clear()
-        g.record(state.counters.inner_steps, state.version, trainer.params)
+        g.record(state.counters.inner_steps, state.version, trainer)
         logger.info(f"learner unit of {g.describe()}: this worker (rank 0) is the swarm peer; each worker trains "
                     f"on its own part of shard {data.shard}, the unit's tokens are the sum over its workers")
 
@@ -118,8 +141,13 @@ class Leader:
         with self._collective("taking an inner step"):
             yield
 
+    def refresh(self, optimizer: bool = False) -> None:
+        if self._state is not None:
+            self._gather(range(len(self._state.fragments)), optimizer)
+
     def finish(self) -> None:
         if self.phase == "training":
+            self.refresh(optimizer=True)  # the last chance: the host copy serves the summary and later checkpoints
             self._send(go=False)
 
     def close(self) -> None:
@@ -138,18 +166,40 @@ class Leader:
     def _send(self, go: bool) -> None:
         assert self._state is not None and self._trainer is not None, "attach() first"
         s, t = self._state, self._trainer
+        if s.changed and self.group.hashes is not None:
+            self.refresh()  # sharded, for the test's hashes: the whole host copy compares with the shards
         changed = tuple(sorted(s.changed))
         s.changed.clear()
         lr_v, lr_s = t.lr_position.state()
         with self._collective("sending a control word"):
-            self.group.word(Word(go, s.version, (lr_v, lr_s), changed), len(s.fragments))
-            self.group.broadcast(fragment_params(s, changed))
+            self.group.word(Word(STEP if go else END, s.version, (lr_v, lr_s), changed), len(s.fragments))
+            self.group.share(t, s, changed)
             if not go:
                 self.group.part()
         if changed:
-            self.group.record(s.counters.inner_steps, s.version, t.params)
-        if not go:
+            self.group.record(s.counters.inner_steps, s.version, t)
+        if go:
+            self._fresh, self._moments_fresh = set(), False  # the step changes every shard
+        else:
             self.phase = "ended"
+
+    def _gather(self, fragments: Iterable[int], optimizer: bool = False) -> None:
+        """Sharded: the fragments' θ (and the moments) from the shards into the host copy, where stale. Not
+        the fragments rank 0 changed since the last word (the host copy is ahead of the shards there)."""
+        s, t = self._state, self._trainer
+        if s is None or t is None or t.sharded is None or self.phase != "training":
+            return  # after the end the host copy is final (finish())
+        stale = tuple(f for f in fragments if f not in self._fresh and f not in s.changed)
+        optimizer = optimizer and not self._moments_fresh
+        if not stale and not optimizer:
+            return
+        lr_v, lr_s = t.lr_position.state()
+        with self._collective("gathering θ into rank 0's host copy"):
+            self.group.word(Word(GATHER_ALL if optimizer else GATHER, s.version, (lr_v, lr_s), stale),
+                            len(s.fragments))
+            t.sharded.gather(fragment_indices(s, stale), optimizer)
+        self._fresh.update(stale)
+        self._moments_fresh = self._moments_fresh or optimizer
 
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:

@@ -173,6 +173,8 @@ class Learner:
 
     def evaluate(self, params: list[torch.Tensor] | None = None) -> float:
         """Mean loss on the fixed eval batches, on the device: of the local model, or of ``params`` (e.g. Θ)."""
+        if params is None:
+            self.unit.refresh()  # a sharded unit's rank 0 evaluates its host copy of θ
         return self.parts.trainer.evaluate(self.parts.data.eval_batches, params)
 
     def global_params(self) -> list[torch.Tensor]:
@@ -187,6 +189,7 @@ class Learner:
         if mark == self._checkpointed:
             return  # nothing new since the last one (a commit at the end of an outer step)
         self._checkpointed = mark
+        self.unit.refresh(optimizer=True)  # a sharded unit's rank 0 saves its host copies
         payload = {
             "format": FORMAT,
             "config": self.cfg.model_dump(),

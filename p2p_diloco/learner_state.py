@@ -7,7 +7,7 @@ read and change a :class:`LearnerState`, and none of them imports another's modu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +88,9 @@ class LearnerState:
     # or rebased onto, a checkpoint restored) since a learner unit last sent them to its other
     # workers (unit.py drains it at each step; a learner of one worker leaves it be).
     changed: set[int] = field(default_factory=set)
+    # Called with a fragment before its θ is handed out (:meth:`local`): rank 0 of a unit whose model is
+    # sharded brings its host copy of θ_f up to date there (leader.py); None elsewhere.
+    before_local: Callable[[Fragment], None] | None = None
 
     def __post_init__(self) -> None:
         for s in self.states:
@@ -100,6 +103,8 @@ class LearnerState:
 
     def local(self, fragment: Fragment) -> list[torch.Tensor]:
         """θ_f: the local parameters of one fragment (views, trained in place)."""
+        if self.before_local is not None:
+            self.before_local(fragment)
         return [self.params[i] for i in fragment.tensor_indices]
 
     def snapshot(self, fragment: Fragment) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from p2p_diloco.config import OuterConfig
 
 HISTORY_LENGTH = 512
 CONTRIBUTOR_VERSIONS = 32  # versions whose contributors a state remembers (see GlobalState.contributors)
+CERTIFIED_VERSIONS = 8  # versions whose commit certificates a state carries (p2p_diloco/certificates.py)
 MAX_VERSION = 2**40  # a version or token count beyond these is a peer's lie, not progress
 MAX_TOKENS = 2**62  # below msgpack's 64-bit limit with room to add a round's tokens
 
@@ -52,6 +53,16 @@ class GlobalState:
     # committed, reads here whether its progress is already in Θ (docs/resilience.md,
     # "Exactly-once contributions"). Not part of the hash.
     contributors: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+    # The commit certificates of the newest versions, as served (Certificate.to_dict()): what lets a
+    # peer that downloads this state check that a quorum committed it (p2p_diloco/certificates.py).
+    # Opaque here, checked where they are used. Not part of the hash.
+    certificates: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_certificate(self, version: int, certificate: dict[str, Any]) -> None:
+        """Carry ``certificate`` as the one of ``version``; only the newest :data:`CERTIFIED_VERSIONS` are kept."""
+        entries = {_cert_version(c): c for c in self.certificates}
+        entries[int(version)] = certificate
+        self.certificates = [entries[v] for v in sorted(entries)][-CERTIFIED_VERSIONS:]
 
     def record_contributors(self, version: int, peers: Iterable[str]) -> None:
         """Record whose outer gradients produced ``version`` (replacing an earlier entry for it).
@@ -101,6 +112,7 @@ class GlobalState:
             "version": self.version, "momentum_initialized": self.momentum_initialized, "tokens": self.tokens,
             "history": [list(h) for h in self.history],
             "contributors": [[v, list(peers)] for v, peers in self.contributors],
+            "certificates": list(self.certificates),
         }
         if tensors:
             out["params"], out["momentum"] = self.params, self.momentum
@@ -131,13 +143,18 @@ class GlobalState:
             and all(isinstance(peer, str) for peer in e[1]) for e in contributors
         )):
             raise StateFormatError("malformed contributors")
+        certificates = data.get("certificates", [])
+        if not (isinstance(certificates, list | tuple) and len(certificates) <= 2 * CERTIFIED_VERSIONS
+                and all(isinstance(c, dict) for c in certificates)):
+            raise StateFormatError("malformed certificates")
         params, momentum = data.get("params"), data.get("momentum")
         if not (isinstance(params, list) and isinstance(momentum, list) and len(params) == len(momentum)
                 and all(isinstance(t, torch.Tensor) for t in [*params, *momentum])):
             raise StateFormatError("params and momentum must be two lists of tensors of one length")
         return cls(params=params, momentum=momentum, version=version, momentum_initialized=init, tokens=tokens,
                    history=[(int(v), str(h)) for v, h in history],
-                   contributors=[(int(v), tuple(map(str, peers))) for v, peers in contributors])
+                   contributors=[(int(v), tuple(map(str, peers))) for v, peers in contributors],
+                   certificates=list(certificates))
 
     def copy(self) -> GlobalState:
         """A deep copy: cloned tensors, new history and contributors lists."""
@@ -149,7 +166,14 @@ class GlobalState:
             tokens=self.tokens,
             history=list(self.history),
             contributors=list(self.contributors),
+            certificates=list(self.certificates),
         )
+
+
+def _cert_version(certificate: dict[str, Any]) -> int:
+    commit = certificate.get("commit")
+    version = commit.get("version") if isinstance(commit, dict) else None
+    return version if isinstance(version, int) else -1
 
 
 def state_sha256(

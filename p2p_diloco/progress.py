@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
+from p2p_diloco.faults import LIE_VERSIONS, FaultPlan
 from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.records import ProgressBoard, ProgressRecord, Status
 
@@ -24,6 +26,8 @@ class Progress:
         self.status: Status = "training"
         self.stale = False  # set after a failed round: the swarm may have moved on
         self._seen: dict[str, ProgressRecord] | None = None
+        self.faults: FaultPlan | None = None  # a test's plan: "lie ... with ahead" forges our record
+        self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -41,6 +45,8 @@ class Progress:
             return
         entries = meta["fragments"]
         versions = tuple(e["version"] for e in entries)
+        if self.faults and self.faults.lying("ahead", min(versions) + 1):
+            versions = tuple(v + LIE_VERSIONS["ahead"] for v in versions)
         self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(e["tokens"] for e in entries),
                                           self.status, versions=versions, shas=tuple(e["sha256"] for e in entries)))
 
@@ -51,15 +57,23 @@ class Progress:
             self._seen = self.board.read()
         return self._seen
 
+    def distrust(self, peer: str, seconds: float) -> None:
+        """Ignore ``peer``'s records for ``seconds`` (it served a state that failed verification)."""
+        self._distrusted[peer] = time.monotonic() + seconds
+
+    def _trusted(self, peer: str) -> bool:
+        until = self._distrusted.get(peer)
+        return until is None or until < time.monotonic()
+
     def others(self, fresh: bool) -> dict[str, ProgressRecord]:
-        """The other learners' records (ours left out); ``fresh`` as in :meth:`records`."""
-        return {p: r for p, r in self.records(fresh).items() if p != self.state.peer_id}
+        """The other learners' records (ours and distrusted peers' left out); ``fresh`` as in :meth:`records`."""
+        return {p: r for p, r in self.records(fresh).items() if p != self.state.peer_id and self._trusted(p)}
 
     def newest_live_version(self, fragment: int = 0) -> int:
-        """The newest version of ``fragment`` any other live learner holds (a fresh DHT lookup; called
-        from the round thread, so it leaves the training loop's cached records alone)."""
+        """The newest version of ``fragment`` any other live, trusted learner holds (a fresh DHT lookup;
+        called from the round thread, so it leaves the training loop's cached records alone)."""
         return max((r.fragment_version(fragment) for p, r in self.board.read().items()
-                    if p != self.state.peer_id and r.status != "left"), default=0)
+                    if p != self.state.peer_id and r.status != "left" and self._trusted(p)), default=0)
 
     def start(self) -> None:
         """Start the heartbeat thread; call it once."""

@@ -4,7 +4,8 @@
     AVERAGING → matchmaking and all-reduce with a group at the same version (network); contributions that
                 fail the group's checks (p2p_diloco/exclusion.py) are left out of the average
     VALIDATED → contributors held our exact global state; averaged Δ finite and of sane norm
-    APPLIED   → outer Nesterov step on Θ, version + 1
+    APPLIED   → outer Nesterov step on Θ, version + 1, certified: at least K contributors signed the
+                new state (p2p_diloco/certificates.py); without the certificate nothing is committed
     FAILED    → nothing was committed; the learner keeps its θ and its Δ grows until a later round
 
 A failure anywhere is contained here: the learner's training loop sees a :class:`RoundOutcome`,
@@ -24,7 +25,9 @@ from typing import Any
 import torch
 
 from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
+from p2p_diloco.certificates import Certifier, Commit
 from p2p_diloco.exclusion import Verdict
+from p2p_diloco.faults import LIE_WEIGHT
 from p2p_diloco.merging import global_norm, rda_combine, to_unit
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
 
@@ -51,6 +54,7 @@ class RoundOutcome:
     allreduce_seconds: float = 0.0
     round_seconds: float = 0.0
     bytes_sent: int = 0
+    certify_seconds: float = 0.0  # collecting the commit certificate's signatures
     version: int = 0
     superseded: bool = False  # the swarm moved past our version while we looked for a group
 
@@ -75,6 +79,7 @@ class OuterRound:
     fragment: int = 0
     rda: bool = False
     grace: float | None = None
+    certifier: Certifier | None = None  # None: commits carry no certificate (tests of the round alone)
     stage: Stage = field(init=False, default=Stage.PREPARED)
     _delta: list[torch.Tensor] = field(init=False, repr=False)
     _norm: float = field(init=False, default=0.0)
@@ -87,6 +92,8 @@ class OuterRound:
             self._delta = faults.poison(self._delta, self.state.version + 1)
         if self.weight is None:
             self.weight = float(self.tokens)
+        if faults and faults.lying("weight", self.state.version + 1):
+            self.weight = LIE_WEIGHT
         if self.rda:
             self._delta, self._norm = to_unit(self._delta)
         else:
@@ -152,6 +159,13 @@ class OuterRound:
         group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
         self.optimizer.apply(self.state, averaged, tokens=group_tokens)
         self.state.record_contributors(self.state.version, contributors)
+        certifying = time.perf_counter()
+        if self.certifier is not None:
+            cert = self.certifier.certify(Commit(self.certifier.lineage, self.fragment, self.state.version,
+                                                 self.state.sha256(), meta["sha256"], tuple(sorted(contributors))))
+            if isinstance(cert, str):
+                return self._fail(cert, group_size=len(contributors))
+            self.state.add_certificate(self.state.version, cert.to_dict())
         self.stage = Stage.APPLIED
         return RoundOutcome(
             stage=self.stage,
@@ -159,6 +173,7 @@ class OuterRound:
             group_tokens=group_tokens,
             allreduce_seconds=result.allreduce_seconds,
             bytes_sent=result.bytes_sent,
+            certify_seconds=time.perf_counter() - certifying,
         )
 
     def _log_exclusions(self, verdict: Verdict) -> None:

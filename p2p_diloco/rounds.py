@@ -19,6 +19,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging import Averaging
 from p2p_diloco.catch_up import CatchUp
+from p2p_diloco.certificates import Certifier
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.fragments import ClockSchedule, Fragment, due_fragments
 from p2p_diloco.grace import GraceWindow
@@ -68,6 +69,7 @@ class Rounds:
     catch_up: CatchUp
     progress: Progress
     on_commit: Callable[[], None]  # after a commit is applied (the learner checkpoints)
+    certifier: Certifier | None = None  # signs what a round commits (None: no certificates, for tests)
     inflight: InFlight | None = None
     detached: InFlight | None = None  # a round we stopped waiting for at τ; still running
     last_outcome: RoundOutcome | None = None
@@ -113,7 +115,7 @@ class Rounds:
             state=task.state, optimizer=self.outer_opt, averaging=self.averaging, local_params=task.snapshot,
             tokens=task.tokens, inner_steps=task.steps, max_delta_norm=cfg.averaging.max_delta_norm,
             weight=token_weight(task.tokens, task.steps, c.missed_versions[f], cfg.sync.weighting),
-            fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window,
+            fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window, certifier=self.certifier,
         )
 
         def run() -> None:
@@ -161,6 +163,7 @@ class Rounds:
             f"outer round {status} | version {self.state.states[f].version} fragment {f}/{len(self.state.fragments)} "
             f"group {out.group_size} window {task.window:.2f}s allreduce {out.allreduce_seconds:.2f}s "
             f"round {out.round_seconds:.2f}s sent {out.bytes_sent / 1e6:.3f} MB"
+            + (f" certified in {out.certify_seconds:.2f}s" if out.committed else "")
         )
         return out
 

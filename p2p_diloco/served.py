@@ -85,11 +85,13 @@ class ServedState:
     mutated in place, so the averager's thread may hand it out while the learner goes on."""
 
     on_serve: Callable[[], None] = lambda: None  # fault hook: a peer is downloading from us
+    # fault hook: what a malicious learner serves instead (p2p_diloco/faults.py, "lie ... with state")
+    forge: Callable[[Sequence[GlobalState]], Sequence[GlobalState]] | None = None
     _current: Served | None = None
 
     def refresh(self, states: Sequence[GlobalState]) -> None:
         """Serve a snapshot of ``states`` from now on (copies: later changes to them are not served)."""
-        self._current = snapshot(states)
+        self._current = snapshot(states if self.forge is None else self.forge(states))
 
     @property
     def metadata(self) -> dict[str, Any] | None:

@@ -24,11 +24,19 @@ from pydantic import ValidationError
 from p2p_diloco import STARTED, peer_log
 from p2p_diloco.admission import Admission, admit_self, peer_id_of
 from p2p_diloco.catch_up import CatchUp
-from p2p_diloco.checkpoint import CheckpointError, CheckpointWriter, claim_checkpoint_dir, load_checkpoint
+from p2p_diloco.certificates import Verifier
+from p2p_diloco.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    claim_checkpoint_dir,
+    load_checkpoint,
+    save_model_files,
+)
+from p2p_diloco.commit_board import CommitBoard
 from p2p_diloco.config import ConfigError, LearnerConfig, ModelConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.errors import LearnerError
-from p2p_diloco.faults import FaultPlan
+from p2p_diloco.faults import FaultPlan, forged_states
 from p2p_diloco.fragments import ClockSchedule, build_fragments
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.hivemind_averaging import HivemindAveraging
@@ -41,6 +49,7 @@ from p2p_diloco.progress import Progress
 from p2p_diloco.records import ProgressBoard, progress_key
 from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
+from p2p_diloco.signed_records import IdentityKey
 from p2p_diloco.tokenizer import Tokenizer, load_tokenizer
 from p2p_diloco.trainer import Trainer, resolve_placement
 
@@ -229,6 +238,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     payload = load_checkpoint(ckpt_dir) if cfg.run.resume else None
     if payload is not None:
         check_compatible(cfg, payload, ckpt_dir)
+    save_model_files(ckpt_dir, cfg.model.path, tokenizer.path)  # so an export needs nothing but the directory
     net = cfg.network
     identity = ckpt_dir / "identity.key"
     peer_id_of(identity)  # made here if missing: it signs our records from the DHT's start on
@@ -265,10 +275,14 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
     writer = CheckpointWriter(ckpt_dir)
     closer.callback(writer.close, timeout=120)  # a snapshot still waiting is written before the lock goes
-    catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving)
+    board = CommitBoard(dht, lineage, IdentityKey.load(ckpt_dir / "identity.key"), cfg.averaging.min_group_size,
+                        timeout=cfg.averaging.certify_timeout)
+    verifier = Verifier(lineage, cfg.averaging.min_group_size, admission.allowed)
+    catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving, verifier=verifier, certifier=board)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                         min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
-    rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit)
+    rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit,
+                    certifier=board)
     now = time.monotonic()
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
                 f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
@@ -290,6 +304,10 @@ def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
 def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: LearnerState, progress: Progress,
                      leaving: Leaving, faults: FaultPlan) -> HivemindAveraging:
     state.served.on_serve = lambda: faults.fire("serve", state.version)
+    if any(f.action == "lie" and f.mode == "state" for f in faults.faults):
+        state.served.forge = lambda states: forged_states(states) if faults.lying("state", state.version + 1) \
+            else states
+    progress.faults = faults
     averaging = HivemindAveraging(
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,

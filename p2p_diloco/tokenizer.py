@@ -9,6 +9,8 @@ Example::
     >>> tok = load_tokenizer("peers/tokenizers/bpe-4k")
     >>> tok.vocab_size, tok.decode(tok.encode("def f(x):")) == "def f(x):"
     (4096, True)
+    >>> tok.eos_token, tok.separator                    # documents of a split are joined by it
+    ('<|endoftext|>', [0])
     >>> load_tokenizer(None).encode("hé")
     [104, 195, 169]
 """
@@ -25,6 +27,10 @@ from typing import Any
 from p2p_diloco.corpus import DataError, one_line
 
 BYTES = "bytes"
+# The end-of-text token's name in the tokenizers people bring, most wanted first: GPT-2 / Qwen (and ours),
+# Llama 3, Llama 2 / Mistral, Gemma. A tokenizer.json does not say which of its special tokens ends a text
+# (tokenizer_config.json does, and not every tokenizer comes with one), so the name decides.
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 class Tokenizer(ABC):
@@ -32,13 +38,16 @@ class Tokenizer(ABC):
 
     ``vocab_size`` is one more than the largest id it can produce (a model's embedding table must
     hold that many rows); ``fingerprint`` identifies it (the sha256 of its file, or ``"bytes"``), so
-    caches and lineages can tell tokenizers apart; ``path`` is the file it was read from.
+    caches and lineages can tell tokenizers apart; ``path`` is the file it was read from;
+    ``eos_id`` / ``eos_token`` its end-of-text token, None when it has none (bytes).
     """
 
     kind: str
     vocab_size: int
     fingerprint: str
     path: Path | None
+    eos_id: int | None = None
+    eos_token: str | None = None
 
     @abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -54,8 +63,10 @@ class Tokenizer(ABC):
 
     @property
     def separator(self) -> list[int]:
-        """The ids placed between two documents of a split: those of a newline, as bytes always had."""
-        return self.encode("\n")
+        """The ids placed between two documents of a split: the end-of-text token when there is one (so
+        the model learns where a text ends, and ``generate`` stops there), else those of a newline, as
+        bytes always had."""
+        return [self.eos_id] if self.eos_id is not None else self.encode("\n")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, path={self.path})"
@@ -96,6 +107,9 @@ class HuggingFaceTokenizer(Tokenizer):
             raise DataError(f"tokenizer {path} is not a valid Hugging Face tokenizer.json: {one_line(e)}") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.eos_token = next((name for name in END_OF_TEXT if name in special), None)
+        self.eos_id = special[self.eos_token] if self.eos_token is not None else None
         self.fingerprint = hashlib.sha256(raw).hexdigest()
         self.path = path
 
@@ -122,6 +136,8 @@ class SentencePieceTokenizer(Tokenizer):
         except Exception as e:  # RuntimeError or OSError depending on the version
             raise DataError(f"tokenizer {path} is not a valid SentencePiece model: {one_line(e)}") from None
         self.vocab_size = int(self._sp.get_piece_size())
+        eos = int(self._sp.eos_id())  # -1 when the model was trained without one
+        self.eos_id, self.eos_token = (eos, str(self._sp.id_to_piece(eos))) if eos >= 0 else (None, None)
         self.fingerprint = hashlib.sha256(raw).hexdigest()
         self.path = path
 

@@ -40,6 +40,7 @@ from p2p_diloco.errors import LearnerError
 from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.lr_schedule import SchedulePosition, inner_lr
 from p2p_diloco.outer import load_into_module
+from p2p_diloco.sharding import ShardedModel, sharded_unit
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,8 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 class Trainer:
     """The local model θ on its device and everything an inner step needs.
 
-    ``model``: called as ``model(x, y) -> (logits, mean loss)``; moved to ``placement.device`` here.
+    ``model``: called as ``model(x, y) -> (logits, mean loss)``; moved to ``placement.device`` here (in a
+    unit that shards it, by :meth:`join_sharded`, 1/N on each worker).
     :attr:`params` are its parameters, which the learner state trains as θ. ``model_files``: carried
     for the lineage id (:func:`p2p_diloco.startup.build` says what it holds).
     """
@@ -206,7 +208,8 @@ class Trainer:
         if cfg.model.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.placement = placement
-        self.model = model.to(placement.device)
+        # In a unit that shards the model it stays in host memory until sharding places 1/N of it (sharding.py).
+        self.model = model if sharded_unit(cfg.run) else model.to(placement.device)
         # What inner steps run through: the model itself, or its DDP wrapper in a unit of several
         # workers (:meth:`join_unit`). Evaluation and checkpoints always use the model itself.
         self.train_model: torch.nn.Module = self.model
@@ -222,6 +225,7 @@ class Trainer:
         self.lr_at = 0  # schedule position of the last inner step (logged with its lr)
         self.meter = Throughput(sum(p.numel() for p in self.params), placement.peak_flops)
         self._eval_model: torch.nn.Module | None = None  # a second copy, for evaluating Θ on the device
+        self.sharded: ShardedModel | None = None  # the model sharded over a unit's workers (:meth:`join_sharded`)
         logger.info(placement.describe())
 
     def step(self, x: torch.Tensor, y: torch.Tensor, version: int) -> float:
@@ -246,6 +250,14 @@ class Trainer:
         self.train_model, self.workers = train_model, workers
         peak = None if self.placement.peak_flops is None else self.placement.peak_flops * workers
         self.meter = Throughput(sum(p.numel() for p in self.params), peak)
+
+    def join_sharded(self, sharded: ShardedModel, workers: int) -> None:
+        """Train the model as sharded over the ``workers`` of a learner unit (``run.sharding=fsdp``, the
+        model and its optimizer rebuilt by :class:`p2p_diloco.sharding.ShardedModel`); evaluation and
+        checkpoints then use the full host copy rank 0 keeps (kept up to date by the unit)."""
+        self.model = sharded.model
+        self.params, self.inner_opt, self.sharded = sharded.params, sharded.optimizer, sharded
+        self.join_unit(sharded.model, workers)
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         micro = self.inner.micro_batch_size
@@ -279,17 +291,27 @@ class Trainer:
                  params: Sequence[torch.Tensor] | None = None) -> float:
         """Mean loss over ``batches`` on the device: of the local model, or of ``params`` (e.g. Θ, in the
         model's parameter order) loaded into a second copy of it, made once."""
-        model = self.model if params is None else self._holding(params)
+        model = self._whole() if params is None else self._holding(params)
         model.eval()
+        # A sharded unit's rank 0 evaluates its host copy, on the CPU (the module docstring of sharding.py).
+        move = self.placement.to_device if self.sharded is None else (lambda t: t)
         losses = []
         for x, y in batches:
             with self.placement.autocast():
-                losses.append(float(model(self.placement.to_device(x), self.placement.to_device(y))[1]))
+                losses.append(float(model(move(x), move(y))[1]))
         return sum(losses) / len(losses)
+
+    def _whole(self) -> torch.nn.Module:
+        """The whole local model: the model itself, or the host copy of a sharded one (rank 0 only)."""
+        if self.sharded is None:
+            return self.model
+        if self.sharded.host is None:
+            raise RuntimeError("only rank 0 of a sharded unit holds the whole model")
+        return self.sharded.host
 
     def _holding(self, params: Sequence[torch.Tensor]) -> torch.nn.Module:
         if self._eval_model is None:
-            self._eval_model = copy.deepcopy(self.model).requires_grad_(False)
+            self._eval_model = copy.deepcopy(self._whole()).requires_grad_(False)
         load_into_module(self._eval_model, params)
         return self._eval_model
 
@@ -299,6 +321,10 @@ class Trainer:
         On the CPU the model's entries are its own tensors (the checkpoint writer copies them); on a
         device they are CPU copies, so that a checkpoint does not hold a second model in device memory.
         """
+        if self.sharded is not None:  # the host copies, brought up to date by the unit (p2p_diloco.leader)
+            assert self.sharded.host is not None and self.sharded.host_optimizer is not None, "rank 0 only"
+            return {"model": self.sharded.host.state_dict(), "inner_opt": self.sharded.host_optimizer.state_dict(),
+                    "lr_position": self.lr_position.state()}
         model = self.model.state_dict()
         if self.placement.device.type != "cpu":
             model = {k: v.detach().to("cpu", copy=True) for k, v in model.items()}

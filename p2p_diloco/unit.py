@@ -1,8 +1,10 @@
 """A learner unit of several workers: ``torchrun --nproc-per-node N -m p2p_diloco learner ...``.
 
 The N workers (``--nnodes`` machines of one site times ``--nproc-per-node``) are one learner of the
-swarm. Each trains the same model with DDP on its own part of the unit's shard (:func:`part_of_shard`);
-DDP averages their gradients, so every worker takes the same inner step and they stay identical.
+swarm. Each trains the same model on its own part of the unit's shard (:func:`part_of_shard`), in
+DDP (``run.sharding=ddp``, the default: every worker holds the whole model) or sharded with FSDP2
+(``run.sharding=fsdp``: each holds 1/N of θ, its gradients and optimizer state; :mod:`p2p_diloco.sharding`).
+Either way the gradients are averaged over the workers, so all take the same inner step.
 Only rank 0 is a swarm peer: DHT, averager, progress records, checkpoints, signals, catch-up and the
 parting rounds are its alone (:mod:`p2p_diloco.leader`, hooks of :class:`p2p_diloco.learner.Learner`).
 The other ranks run a lean loop without any of that (:mod:`p2p_diloco.follower`).
@@ -10,12 +12,17 @@ The other ranks run a lean loop without any of that (:mod:`p2p_diloco.follower`)
 The protocol, all broadcasts from rank 0 (:class:`UnitGroup`):
 
 - at start, the :class:`Start` (shard, sampler cursor, lr schedule position, step count, which
-  inner-optimizer entries exist), then DDP's own broadcast of the model (the restored θ, when rank 0
-  resumed a checkpoint), then the inner optimizer's moments;
+  inner-optimizer entries exist), then the model (the restored θ, when rank 0 resumed a checkpoint:
+  DDP's own broadcast, or ours before sharding), then the inner optimizer's moments;
 - before every inner step, a :class:`Word`: another step or the end, the global version and lr
   schedule position that step uses, and which fragments' θ rank 0 changed since the last word (a
   round's result applied, a download adopted or rebased onto: ``LearnerState.changed``), followed by
-  those fragments' parameters. The last word comes after rank 0's parting rounds.
+  those fragments' parameters (sharded: in full, each worker keeping its chunk). The last word
+  comes after rank 0's parting rounds;
+- sharded only, between two steps: a gather word, whenever rank 0 is about to read θ (a round's
+  snapshot, applying a result, an eval, a checkpoint): every worker takes part in the all-gather of
+  the fragments named (and of the optimizer's moments, for a checkpoint) into rank 0's host copy of θ,
+  then waits for the next word.
 
 A stop (Ctrl+C or SIGTERM to torchrun, which signals each worker's process group) is rank 0's
 decision: it hands its unmerged steps over in parting rounds as any learner does, its hivemind
@@ -56,7 +63,8 @@ from p2p_diloco.data import BatchSampler, DataError
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.inner_optim import AdamW
 from p2p_diloco.learner_state import LearnerState
-from p2p_diloco.trainer import resolve_device
+from p2p_diloco.sharding import ShardedModel
+from p2p_diloco.trainer import Trainer, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -103,26 +111,43 @@ class Start:
     optimizer_steps: dict[int, float]
 
 
+# What a control word asks of every worker (its first entry).
+END, STEP, GATHER, GATHER_ALL = 0, 1, 2, 3
+
+
 @dataclass(frozen=True)
 class Word:
-    """The control word before each inner step: ``go`` (another step follows; False: the end), the
-    version and lr schedule position that step uses, and the fragments whose parameters follow."""
+    """The control word before each inner step, or between two: its ``kind`` (:data:`STEP`: another
+    step follows; :data:`END`: the unit ends; :data:`GATHER`: every worker takes part in gathering the
+    ``fragments``' θ into rank 0's host copy, :data:`GATHER_ALL` the inner optimizer's moments too,
+    then waits for the next word; sharded units only), the version and lr schedule position that step
+    uses, and the fragments: whose θ rank 0 changed (it follows; STEP, END) or to gather."""
 
-    go: bool
+    kind: int
     version: int
     lr_position: tuple[int, int]
-    changed: tuple[int, ...]
+    fragments: tuple[int, ...]
+
+    @property
+    def go(self) -> bool:
+        """Another inner step follows."""
+        return self.kind == STEP
+
+    @property
+    def gathers(self) -> bool:
+        """A gather, not a step or the end."""
+        return self.kind in (GATHER, GATHER_ALL)
 
     def encode(self, fragments: int, device: torch.device) -> torch.Tensor:
         """One int64 tensor of ``4 + fragments`` entries (a flag per fragment)."""
-        flags = [1 if f in self.changed else 0 for f in range(fragments)]
-        return torch.tensor([int(self.go), self.version, *self.lr_position, *flags], dtype=torch.int64, device=device)
+        flags = [1 if f in self.fragments else 0 for f in range(fragments)]
+        return torch.tensor([self.kind, self.version, *self.lr_position, *flags], dtype=torch.int64, device=device)
 
     @classmethod
     def decode(cls, t: torch.Tensor) -> Word:
         """The word :meth:`encode` made."""
         v = [int(x) for x in t.tolist()]
-        return cls(bool(v[0]), v[1], (v[2], v[3]), tuple(f for f, flag in enumerate(v[4:]) if flag))
+        return cls(v[0], v[1], (v[2], v[3]), tuple(f for f, flag in enumerate(v[4:]) if flag))
 
 
 def part_of_shard(sampler: BatchSampler, rank: int, workers: int) -> BatchSampler:
@@ -143,6 +168,11 @@ def fragment_params(state: LearnerState, fragments: Sequence[int]) -> list[torch
     return [t for f in fragments for t in state.local(state.fragments[f])]
 
 
+def fragment_indices(state: LearnerState, fragments: Sequence[int]) -> list[int]:
+    """The parameter indices of ``fragments``, in fragment then tensor order."""
+    return [i for f in fragments for i in state.fragments[f].tensor_indices]
+
+
 def params_sha256(params: Sequence[torch.Tensor]) -> str:
     """A hash of the parameters' bytes (equal on ranks that hold the same weights)."""
     h = hashlib.sha256()
@@ -154,14 +184,16 @@ def params_sha256(params: Sequence[torch.Tensor]) -> str:
 class UnitGroup:
     """The unit's process group, seen from one worker: the broadcasts of the protocol (module docstring)."""
 
-    def __init__(self, topology: Topology, device: torch.device, backend: str, hashes: Path | None = None):
+    def __init__(self, topology: Topology, device: torch.device, backend: str, hashes: Path | None = None,
+                 sharding: str = "ddp"):
         self.topology, self.device, self.backend, self.hashes = topology, device, backend, hashes
-        self.rank, self.workers = topology.rank, topology.workers
+        self.rank, self.workers, self.sharding = topology.rank, topology.workers, sharding
 
     def describe(self) -> str:
-        """``2 workers (gloo, 1 node)``."""
+        """``2 workers (gloo, 1 node)``; ``2 workers (gloo, 1 node, fsdp)`` when the model is sharded."""
         t = self.topology
-        return f"{t.workers} workers ({self.backend}, {t.nodes} node{'s' if t.nodes > 1 else ''})"
+        fsdp = ", fsdp" if self.sharding == "fsdp" else ""
+        return f"{t.workers} workers ({self.backend}, {t.nodes} node{'s' if t.nodes > 1 else ''}{fsdp})"
 
     def start(self, start: Start | None = None) -> Start | None:
         """Rank 0 sends ``start`` (None: the unit ends before training); the others receive it."""
@@ -184,17 +216,43 @@ class UnitGroup:
                 if w is not None:
                     w.wait()
 
+    def train_together(self, trainer: Trainer, optimizer_steps: Mapping[int, float]) -> None:
+        """The start's collectives after the :class:`Start`: every worker takes rank 0's θ and inner-optimizer
+        moments (of the parameters in ``optimizer_steps``), then trains in DDP or sharded (``run.sharding``)."""
+        if self.sharding == "fsdp":
+            trainer.join_sharded(ShardedModel(trainer.model, trainer.inner_opt, self.device, self.rank, self.workers,
+                                              host=self.rank == 0, optimizer_steps=optimizer_steps), self.workers)
+            return
+        trainer.join_unit(self.wrap(trainer.model), self.workers)
+        self.broadcast(optimizer_moments(trainer.inner_opt, optimizer_steps))
+
+    def share(self, trainer: Trainer, state: LearnerState, fragments: Sequence[int]) -> None:
+        """Rank 0's θ of ``fragments`` into every worker's model: into its shard when sharded (from rank 0's
+        host copy), else into the whole model."""
+        if trainer.sharded is None:
+            self.broadcast(fragment_params(state, fragments))
+        else:
+            trainer.sharded.scatter(fragment_indices(state, fragments))
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` in DDP; its construction broadcasts rank 0's parameters (and buffers) to every worker; the
         buffers are not broadcast again at each forward (rank 0 also evaluates with the model itself)."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
 
-    def record(self, inner_steps: int, version: int, params: Sequence[torch.Tensor]) -> None:
-        """Append this rank's parameters' hash to the test's file, if :data:`HASHES_ENV` named a directory."""
-        if self.hashes is not None:
-            self.hashes.mkdir(parents=True, exist_ok=True)
-            with (self.hashes / f"rank-{self.rank}.txt").open("a") as f:
+    def record(self, inner_steps: int, version: int, trainer: Trainer) -> None:
+        """Append this rank's parameters' hash to the test's file ``rank-R.txt``, if :data:`HASHES_ENV`
+        named a directory. Sharded: the hash of this rank's shards; rank 0 also appends, for every rank R,
+        the hash of R's chunks of its host copy to ``host-R.txt`` (which must be up to date)."""
+        if self.hashes is None:
+            return
+        sharded = trainer.sharded
+        lines = {f"rank-{self.rank}": trainer.params if sharded is None else sharded.shard_tensors()}
+        if sharded is not None and sharded.host is not None:
+            lines.update({f"host-{r}": sharded.host_parts(r) for r in range(self.workers)})
+        self.hashes.mkdir(parents=True, exist_ok=True)
+        for name, params in lines.items():
+            with (self.hashes / f"{name}.txt").open("a") as f:
                 f.write(f"{inner_steps} {version} {params_sha256(params)}\n")
 
     def part(self) -> None:
@@ -235,7 +293,7 @@ def join(topology: Topology, run: RunConfig) -> UnitGroup:
     dist.init_process_group(backend, store=dist.PrefixStore(f"p2p_diloco/attempt-{attempt}", store),
                             rank=topology.rank, world_size=topology.workers)
     hashes = os.environ.get(HASHES_ENV)
-    group = UnitGroup(topology, device, backend, Path(hashes) if hashes else None)
+    group = UnitGroup(topology, device, backend, Path(hashes) if hashes else None, run.sharding)
     logger.info(f"worker {topology.rank} of a learner unit of {group.describe()}, local rank "
                 f"{topology.local_rank}, pid {os.getpid()}{'' if topology.rank else '; the swarm peer'}")
     return group

@@ -11,6 +11,10 @@ How it was made (run from the repository root, offline, about a minute on 2 core
 - **Model**: byte-level BPE (GPT-2's pre-tokenizer regex and byte alphabet), so any text encodes
   without unknown tokens; ``<|endoftext|>`` is id 0, then the 256 byte symbols, then merges up to
   exactly 4096 ids (the shipped tiny Llama config's ``vocab_size``).
+- **End of text**: ``<|endoftext|>`` (id 0) is the tokenizer's only special token. The learners' data
+  joins documents with it (``Tokenizer.separator``), the shipped Llama configs name it as
+  ``bos_token_id`` and ``eos_token_id``, and ``p2p-diloco export`` writes it as the exported
+  tokenizer's ``eos_token``, so ``generate`` stops at the end of a text.
 - **Library**: ``tokenizers`` (0.23.3 for the committed file). Training is deterministic for a
   given library version and corpus: two runs give byte-identical files (the script prints the
   sha256, which is the tokenizer's fingerprint in cache keys). Another Python version has another

@@ -95,8 +95,14 @@ def test_fragment_download_carries_only_the_fragments_asked_for(group):
             assert got_meta == meta
             assert len(tensors) == len(expect) and all(torch.equal(a, b) for a, b in zip(tensors, expect, strict=True))
         # Asking for a fragment that does not exist gets nothing, and the server keeps serving.
-        assert client.download_state_from(server.peer_id, timeout=5.0, fragments=[7]) is None
+        for bad in ([7], [-1], [10**9], []):
+            assert client.download_state_from(server.peer_id, timeout=5.0, fragments=bad) is None, bad
         assert client.download_state_from(server.peer_id, timeout=20.0, fragments=[1]) is not None
+        # A server that streams more than the state can hold is cut off, whole state or fragments.
+        served[:] = [torch.zeros(3000, 370)] * len(served)
+        assert client.download_state_from(server.peer_id, timeout=20.0, fragments=[0]) is None
+        assert client.download_state_from(server.peer_id, timeout=20.0) is None
+        assert client.download_state(timeout=20.0) is None
     finally:
         for a in (client, server):
             a.shutdown()

@@ -18,8 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from p2p_diloco.checkpoint import load_checkpoint
+from p2p_diloco.config import ModelConfig
+from p2p_diloco.models import build_model
 from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, processes_in_group, wait_until
-from p2p_diloco.unit import HASHES_ENV
+from p2p_diloco.sharding import local_part
+from p2p_diloco.unit import HASHES_ENV, params_sha256
 
 from .harness import FAST, SMALL, Swarm, committed_version
 
@@ -79,13 +83,12 @@ def assert_workers_gone(swarm: Swarm, proc: Proc, shard: int = 1) -> None:
                what="the unit's workers, rank 0's hivemind helpers and p2pd to exit")
 
 
-@pytest.mark.timeout(400)
-def test_a_two_worker_unit_and_a_single_learner_train_one_model(swarm, units, monkeypatch):
-    hashes = swarm.tmp / "hashes"
-    monkeypatch.setenv(HASHES_ENV, str(hashes))  # every rank writes its weights' hash at each sync
+def _unit_beside_a_learner(swarm, units, extra):
+    """A 2-worker unit (with ``extra`` arguments) and a single learner train to version 3: one model, a
+    falling loss. Returns the unit's process and both summaries."""
     swarm.start_bootstrap()
     single = swarm.start_learner(0, max_outer_steps=3)
-    unit = start_unit(swarm, units, "unit", shard=1, max_outer_steps=3)
+    unit = start_unit(swarm, units, "unit", shard=1, max_outer_steps=3, extra=extra)
     assert unit.wait(300) == 0, unit.text()
     assert single.wait(120) == 0, single.text()
     solo, pair = swarm.summary(0), swarm.summary(1)
@@ -93,6 +96,14 @@ def test_a_two_worker_unit_and_a_single_learner_train_one_model(swarm, units, mo
     assert solo["global_state_sha256"] == pair["global_state_sha256"]
     assert solo["version"] == pair["version"] == 3
     assert pair["last_eval_loss"] < pair["first_eval_loss"] - 0.5
+    return unit, solo, pair
+
+
+@pytest.mark.timeout(400)
+def test_a_two_worker_unit_and_a_single_learner_train_one_model(swarm, units, monkeypatch):
+    hashes = swarm.tmp / "hashes"
+    monkeypatch.setenv(HASHES_ENV, str(hashes))  # every rank writes its weights' hash at each sync
+    unit, solo, pair = _unit_beside_a_learner(swarm, units, [])
     # The unit's tokens are both workers' tokens, and both learners' tokens are in the global state.
     assert (solo["workers"], pair["workers"]) == (1, 2)
     assert solo["tokens"] == solo["inner_steps"] * TOKENS_PER_STEP
@@ -107,6 +118,38 @@ def test_a_two_worker_unit_and_a_single_learner_train_one_model(swarm, units, mo
     assert "learner unit of 2 workers (gloo, 1 node)" in text
     assert "[rank1 " in text and "rank 0 ended the unit" in text
     assert "(a unit of 2 workers)" in text
+    assert_workers_gone(swarm, unit)
+
+
+@pytest.mark.timeout(400)
+def test_a_sharded_unit_and_a_single_learner_train_one_model(swarm, units, monkeypatch):
+    hashes = swarm.tmp / "hashes"
+    monkeypatch.setenv(HASHES_ENV, str(hashes))  # shards' hashes, and rank 0's chunks of its host θ
+    unit, solo, pair = _unit_beside_a_learner(swarm, units, ["--set", "run.sharding=fsdp"])
+    assert pair["workers"] == 2 and pair["tokens"] == 2 * pair["inner_steps"] * TOKENS_PER_STEP
+    assert max(solo["tokens"], pair["tokens"]) < pair["global_tokens"] <= solo["tokens"] + pair["tokens"]
+    # Each rank's shards are its chunks of rank 0's θ (the host copy the rounds read and write) at the
+    # start and after every applied round; the two ranks hold different halves.
+    files = {name: (hashes / f"{name}.txt").read_text().splitlines() for name in ("rank-0", "rank-1", "host-0",
+                                                                                 "host-1")}
+    assert files["rank-0"] == files["host-0"] and files["rank-1"] == files["host-1"], files
+    assert files["rank-0"] != files["rank-1"]
+    applied = [int(line.split()[1]) for line in files["rank-1"][1:]]
+    assert len(applied) >= committed_version(unit) >= 1 and max(applied) == 3, files
+    # The last checkpoint holds the final θ (its chunks are the shards at the last word) and full moments.
+    payload = load_checkpoint(swarm.tmp / "ckpt-1")
+    assert payload is not None
+    model = build_model(ModelConfig.model_validate(payload["config"]["model"]), 0)
+    model.load_state_dict(payload["model"])
+    for r in range(2):
+        assert params_sha256([local_part(p.detach(), r, 2) for p in model.parameters()]) == \
+            files[f"rank-{r}"][-1].split()[2]
+    moments = payload["inner_opt"]["state"]
+    assert [tuple(moments[i]["exp_avg"].shape) for i in sorted(moments)] == \
+        [tuple(p.shape) for p in model.parameters()]
+    text = unit.text()
+    assert "learner unit of 2 workers (gloo, 1 node, fsdp)" in text
+    assert "[rank1 " in text and "rank 0 ended the unit" in text and "error:" not in text
     assert_workers_gone(swarm, unit)
 
 
@@ -129,9 +172,10 @@ def test_a_stop_reaches_every_worker_through_rank_0(swarm, units):
 
 
 @pytest.mark.timeout(300)
-def test_a_dead_worker_ends_the_unit_and_torchrun_brings_it_back(swarm, units):
-    unit = start_unit(swarm, units, "unit", shard=1, max_outer_steps=4,
-                      extra=["--set", "averaging.min_group_size=1", "--resume"], torchrun=["--max-restarts", "1"])
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_dead_worker_ends_the_unit_and_torchrun_brings_it_back(swarm, units, sharding):
+    unit = start_unit(swarm, units, "unit", shard=1, max_outer_steps=4, torchrun=["--max-restarts", "1"],
+                      extra=["--set", "averaging.min_group_size=1", "--resume", "--set", f"run.sharding={sharding}"])
     wait_until(lambda: committed_version(unit) >= 1, 200, unit, "version 1")
     first = dict(worker_pids(unit))
     os.kill(first[1], signal.SIGKILL)

@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from p2p_diloco.aggregators import aggregate
 from p2p_diloco.averaging import AverageResult, RoundFailed, Served
 from p2p_diloco.exclusion import Rules, Verdict, judge
 from p2p_diloco.outer import weighted_mean
@@ -70,7 +71,14 @@ class FakeAveraging:
                 g._verdict = verdict = judge(gathered, g.rules)
                 names = verdict.contributors(gathered)
                 clipped = [[d * verdict.part_scale(n) for d in g._inputs[n][0]] for n in names]
-                g._result = weighted_mean(clipped, [verdict.weights[n] for n in names]) if names else []
+                weights = [verdict.weights[n] for n in names]
+                if not names:
+                    g._result = []
+                elif verdict.aggregator == "mean":
+                    g._result = weighted_mean(clipped, weights)
+                else:
+                    g._result = [aggregate([c[i] for c in clipped], weights, verdict.aggregator)
+                                 for i in range(len(clipped[0]))]
         g._barrier.wait()
         result = AverageResult(
             deltas=[t.clone() for t in g._result],

@@ -76,3 +76,28 @@ def test_the_fault_hook_runs_with_the_write(tmp_path):
     writer.flush(timeout=30)
     writer.close()
     assert len(seen) == 1 and len(seen[0]) == 1  # called between writing the temporary file and the rename
+
+
+class _Payload:
+    """Not a tensor, dict or number: weights_only loading must refuse to build it."""
+
+    def __reduce__(self):
+        return (print, ("a checkpoint ran code",))
+
+
+def test_a_checkpoint_holding_an_object_or_non_finite_values_is_refused(tmp_path, capsys):
+    torch.save({"format": 2, "evil": _Payload()}, tmp_path / "latest.pt")
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        load_checkpoint(tmp_path)
+    assert "ran code" not in capsys.readouterr().out
+    good = {"format": 2, "model": {"w": torch.ones(2), "steps": torch.tensor([3])},
+            "global": [{"params": [torch.ones(2)], "momentum": [torch.zeros(2)]}]}
+    save_checkpoint(tmp_path, good)
+    assert load_checkpoint(tmp_path) is not None
+    save_checkpoint(tmp_path, {**good, "model": {"w": torch.tensor([1.0, float("nan")])}})
+    with pytest.raises(CheckpointError, match=r"NaN or Inf in the local model \(w\)"):
+        load_checkpoint(tmp_path)
+    inf = [{"params": [torch.ones(2)], "momentum": [torch.tensor([float("inf")])]}]
+    save_checkpoint(tmp_path, {**good, "global": inf})
+    with pytest.raises(CheckpointError, match="NaN or Inf in the global state of fragment 0"):
+        load_checkpoint(tmp_path)

@@ -165,20 +165,24 @@ def test_clipping_scales_contributions_above_the_cap():
 
 
 def test_members_must_agree_on_the_rules():
-    same = {"a": {"rules": [4.0, None]}, "b": {"rules": [4.0, None]}}
-    assert agreed_rules(same, Rules()) == Rules(4.0, None)
+    same = {"a": {"rules": [4.0, None, "median"]}, "b": {"rules": [4.0, None, "median"]}}
+    assert agreed_rules(same, Rules()) == Rules(4.0, None, "median")
     assert agreed_rules({"a": {}, "b": {}}, Rules(3.0)) == Rules(3.0)  # nobody gathered any: ours
-    for bad in ({"a": {"rules": [4.0, None]}, "b": {"rules": [8.0, None]}},
-                {"a": {"rules": [4.0, None]}, "b": {}},
-                {"a": {"rules": [-1.0, None]}}, {"a": {"rules": [4.0, 0.0]}}, {"a": {"rules": "x"}}):
+    for bad in ({"a": {"rules": [4.0, None, "mean"]}, "b": {"rules": [8.0, None, "mean"]}},
+                {"a": {"rules": [4.0, None, "mean"]}, "b": {"rules": [4.0, None, "median"]}},
+                {"a": {"rules": [4.0, None, "mean"]}, "b": {}},
+                {"a": {"rules": [4.0, None]}}, {"a": {"rules": [4.0, None, "mode"]}},
+                {"a": {"rules": [-1.0, None, "mean"]}}, {"a": {"rules": [4.0, 0.0, "mean"]}}, {"a": {"rules": "x"}}):
         with pytest.raises(RulesDisagree):
             agreed_rules(bad, Rules())
 
 
 def test_config_fields():
     cfg = load_learner_config(None, [])
-    assert (cfg.averaging.norm_outlier_factor, cfg.averaging.max_contribution_norm, cfg.averaging.ban_rounds) == \
-        (8.0, None, 3)
+    assert (cfg.averaging.norm_outlier_factor, cfg.averaging.max_contribution_norm, cfg.averaging.ban_rounds,
+            cfg.averaging.aggregator) == (8.0, None, 3, "mean")
+    with pytest.raises(ConfigError, match="aggregator"):
+        load_learner_config(None, ["averaging.aggregator=mode"])
     assert load_learner_config(None, ["averaging.norm_outlier_factor=0"]).averaging.norm_outlier_factor == 0
     with pytest.raises(ConfigError, match="norm_outlier_factor"):
         load_learner_config(None, ["averaging.norm_outlier_factor=0.5"])

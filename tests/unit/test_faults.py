@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from p2p_diloco.faults import Fault, FaultPlan, FaultPlanError
+from p2p_diloco.faults import LIE_VERSIONS, Fault, FaultPlan, FaultPlanError, forged_states
+from p2p_diloco.outer import GlobalState
 
 
 def test_parse_one_line_per_fault():
@@ -56,3 +57,18 @@ def test_bad_poisons_are_refused_with_one_line(bad):
     with pytest.raises(FaultPlanError) as e:
         FaultPlan.parse(bad)
     assert "\n" not in str(e.value)
+
+
+def test_lies_last_from_their_round_on_and_forge_a_poisoned_state():
+    plan = FaultPlan.parse("lie at round 3 with state; lie at round 5 with ahead")
+    assert [(f.action, f.mode, f.round) for f in plan.faults] == [("lie", "state", 3), ("lie", "ahead", 5)]
+    assert not plan.lying("state", 2) and plan.lying("state", 3) and plan.lying("state", 9)
+    assert not plan.lying("ahead", 4) and plan.lying("ahead", 5)
+    real = GlobalState(params=[torch.ones(3)], momentum=[torch.zeros(3)], version=4)
+    real.remember()
+    fake = forged_states([real])[0]
+    assert fake.version == 4 + LIE_VERSIONS["state"] and torch.equal(fake.params[0], torch.full((3,), -50.0))
+    assert fake.descends_from(4, real.sha256()) and real.version == 4  # lists the victim's state; real untouched
+    assert FaultPlan.parse("lie at round 1 with weight").lying("weight", 1)
+    with pytest.raises(FaultPlanError, match="lie at round R with ahead"):
+        FaultPlan.parse("lie at round 3 with everything")

@@ -2,6 +2,7 @@
 
 import hashlib
 import io
+import json
 import random
 from pathlib import Path
 
@@ -34,6 +35,7 @@ def test_bytes_are_the_default():
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256 and tok.fingerprint == "bytes"
     assert tok.encode(TEXT) == list(TEXT.encode()) and tok.decode(tok.encode(TEXT)) == TEXT
     assert tok.separator == [10] and load_tokenizer("bytes").fingerprint == "bytes"
+    assert tok.eos_id is None and tok.eos_token is None  # bytes have no end-of-text token: data stays as it was
 
 
 @pytest.mark.parametrize("where", [BPE, BPE / "tokenizer.json"])
@@ -48,11 +50,34 @@ def test_the_committed_bpe_holds_4096_tokens_and_round_trips(where):
     assert (BPE / "tokenizer.json").stat().st_size < 300_000
 
 
+def test_the_committed_bpe_ends_texts_with_its_special_token_which_the_shipped_llamas_know():
+    tok = load_tokenizer(str(BPE))
+    assert (tok.eos_token, tok.eos_id) == ("<|endoftext|>", 0)
+    assert tok.separator == [0]  # documents of a split are joined by it, so a model learns where texts end
+    assert 0 not in tok.encode(TEXT) and tok.decode([*tok.encode("a"), 0, *tok.encode("b")]) == "ab"
+    for name in ("llama-tiny", "llama-20m"):
+        config = json.loads((ROOT / "peers" / "models" / name / "config.json").read_text())
+        assert config["vocab_size"] == tok.vocab_size and config["eos_token_id"] == config["bos_token_id"] == 0
+
+
+def test_a_tokenizer_json_without_an_end_of_text_token_keeps_the_newline(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["a b\n"] * 5, trainers.BpeTrainer(vocab_size=260, special_tokens=["<pad>"],
+                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.eos_id is None and tok.eos_token is None and tok.separator == tok.encode("\n")
+
+
 def test_a_sentencepiece_model(tmp_path):
     tok = load_tokenizer(str(tiny_sentencepiece(tmp_path / "sp.model")))
     assert tok.vocab_size == 100 and tok.kind == "sentencepiece"
     assert tok.decode(tok.encode("alpha beta swarm")) == "alpha beta swarm"
     assert tok.fingerprint == hashlib.sha256((tmp_path / "sp.model").read_bytes()).hexdigest()
+    assert (tok.eos_token, tok.eos_id) == ("</s>", 2) and tok.separator == [2]  # SentencePiece's own eos
 
 
 @pytest.mark.parametrize(

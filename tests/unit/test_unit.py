@@ -21,15 +21,30 @@ import torch
 from p2p_diloco.config import LearnerConfig, load_learner_config
 from p2p_diloco.data import BatchSampler, DataError
 from p2p_diloco.leader import Solo
-from p2p_diloco.unit import Topology, UnitBroken, UnitGroup, Word, params_sha256, part_of_shard
+from p2p_diloco.unit import (
+    END,
+    GATHER,
+    GATHER_ALL,
+    STEP,
+    Topology,
+    UnitBroken,
+    UnitGroup,
+    Word,
+    params_sha256,
+    part_of_shard,
+)
 
 OVERRIDES = ["data.num_shards=4", "data.max_corpus_mb=0.3", "inner.batch_size=4", "sync.fragments=2",
              "inner.lr_schedule=cosine", "inner.warmup_steps=2", "run.max_outer_steps=4", "inner.steps_per_outer=4"]
 
 
 def test_a_control_word_survives_its_encoding():
-    for word in [Word(True, 3, (3, 1), ()), Word(False, 0, (-1, 0), (0, 2)), Word(True, 2**40, (7, 4), (4,))]:
+    words = [Word(STEP, 3, (3, 1), ()), Word(END, 0, (-1, 0), (0, 2)), Word(STEP, 2**40, (7, 4), (4,)),
+             Word(GATHER, 1, (1, 0), (0, 1, 2, 3, 4)), Word(GATHER_ALL, 1, (1, 0), ())]
+    for word in words:
         assert Word.decode(word.encode(5, torch.device("cpu"))) == word
+    assert [(w.go, w.gathers) for w in words] == [(True, False), (False, False), (True, False), (False, True),
+                                                 (False, True)]
 
 
 def test_topology_comes_from_torchrun_env():
@@ -73,21 +88,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, port: int, tmp: str, scenario: str, out: Any) -> None:
+def _worker(rank: int, port: int, tmp: str, scenario: str, out: Any, sharding: str = "ddp") -> None:
     """One worker of a 2-worker unit; reports ("done" | "broken" | "error", detail) on ``out``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     try:
         from p2p_diloco.unit import join
 
-        cfg = load_learner_config("peers/small-cpu.toml", OVERRIDES)
+        cfg = load_learner_config("peers/small-cpu.toml", [*OVERRIDES, f"run.sharding={sharding}"])
         topology = Topology.from_env()
         assert topology is not None
         group = join(topology, cfg.run)
         group.hashes = Path(tmp) / "hashes"
         try:
             if rank == 0:
-                out.put(_lead(cfg, group, scenario))
+                out.put(_lead(cfg, group, scenario, Path(tmp)))
             else:
                 from p2p_diloco.follower import follow
 
@@ -102,8 +117,10 @@ def _worker(rank: int, port: int, tmp: str, scenario: str, out: Any) -> None:
         out.put(("error", traceback.format_exc()))
 
 
-def _lead(cfg: LearnerConfig, group: UnitGroup, scenario: str) -> tuple[str, Any]:
-    """Rank 0 as the learner drives it: a checkpoint-like head start, then steps with θ changes."""
+def _lead(cfg: LearnerConfig, group: UnitGroup, scenario: str, tmp: Path) -> tuple[str, Any]:
+    """Rank 0 as the learner drives it: a checkpoint-like head start, then steps with θ changes (read
+    and written through ``state.local``, as rounds do), a round's snapshot and a checkpoint's refresh;
+    at the end θ and the optimizer's moments as a checkpoint has them go to ``tmp/final.pt``."""
     from p2p_diloco.leader import Leader
     from p2p_diloco.startup import build, load_data
     from p2p_diloco.tokenizer import load_tokenizer
@@ -128,6 +145,9 @@ def _lead(cfg: LearnerConfig, group: UnitGroup, scenario: str) -> tuple[str, Any
             state.changed.add(f)
             for s in state.states:
                 s.version += 1
+        if step == 6:
+            state.snapshot(state.fragments[1])  # a round starts
+            leader.refresh(optimizer=True)  # a checkpoint
         leader.sync(True)
         with leader.stepping():
             trainer.step(*data.sampler.next_batch(), version=state.version)
@@ -140,15 +160,17 @@ def _lead(cfg: LearnerConfig, group: UnitGroup, scenario: str) -> tuple[str, Any
             state.changed.add(0)
             leader.finish()
             leader.close()
-            return "done", params_sha256(trainer.params)
+            torch.save({"params": [t.detach().clone() for t in state.params],
+                        "inner_opt": trainer.checkpoint_state()["inner_opt"]}, tmp / "final.pt")
+            return "done", params_sha256(state.params)
     return "error", "rank 1 died but rank 0 kept stepping for 60 s"
 
 
-def _run_unit(tmp_path: Path, scenario: str) -> tuple[list[tuple[str, Any]], list[int | None]]:
+def _run_unit(tmp_path: Path, scenario: str, sharding: str = "ddp") -> tuple[list[tuple[str, Any]], list[int | None]]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), scenario, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), scenario, out, sharding)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -173,6 +195,35 @@ def test_two_workers_hold_the_same_weights_at_every_sync(tmp_path: Path):
     assert len(lines[0]) == 4 and lines[0] == lines[1], lines
     assert [line.split()[:2] for line in lines[0]] == [["0", "0"], ["3", "1"], ["5", "2"], ["8", "2"]]
     assert lines[0][-1].split()[2] == next(detail for kind, detail in results if isinstance(detail, str))
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_unit_takes_the_steps_a_ddp_unit_takes(tmp_path: Path):
+    runs = {}
+    for sharding in ("ddp", "fsdp"):
+        (tmp_path / sharding).mkdir()
+        results, codes = _run_unit(tmp_path / sharding, "agree", sharding)
+        assert all(kind == "done" for kind, _ in results) and codes == [0, 0], results
+        runs[sharding] = torch.load(tmp_path / sharding / "final.pt")
+    # Each rank's shards are its chunks of rank 0's host θ: at start (rank 0's restored θ), after each
+    # of the two θ changes (written into the host copy after a gather) and at the end.
+    hashes = tmp_path / "fsdp" / "hashes"
+    names = ("rank-0", "rank-1", "host-0", "host-1")
+    lines = {name: (hashes / f"{name}.txt").read_text().splitlines() for name in names}
+    assert lines["rank-0"] == lines["host-0"] and lines["rank-1"] == lines["host-1"], lines
+    assert [line.split()[:2] for line in lines["rank-1"]] == [["0", "0"], ["3", "1"], ["5", "2"], ["8", "2"]]
+    assert lines["rank-0"] != lines["rank-1"]  # two halves of the model
+    # The same steps as DDP's (up to the order of float sums in the gradients' reduction), and the same
+    # moments in a checkpoint: restored θ and moments, θ changes, the snapshot's gather, clipping.
+    ddp, fsdp = runs["ddp"], runs["fsdp"]
+    for a, b in zip(ddp["params"], fsdp["params"], strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), (a - b).abs().max()
+    assert ddp["inner_opt"]["state"].keys() == fsdp["inner_opt"]["state"].keys()
+    for i, s in ddp["inner_opt"]["state"].items():
+        t = fsdp["inner_opt"]["state"][i]
+        assert float(s["step"]) == float(t["step"]) == 10
+        assert torch.allclose(s["exp_avg"], t["exp_avg"], rtol=0, atol=1e-6)
+        assert torch.allclose(s["exp_avg_sq"], t["exp_avg_sq"], rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.timeout(200)

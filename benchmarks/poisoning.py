@@ -1,0 +1,152 @@
+"""Poisoning: what one malicious or broken member does to three honest learners, with each defence.
+
+Each run is a real swarm on loopback: a bootstrap node, three honest learners and, except in the
+clean runs, a fourth learner that carries out one attack from round 2 on (p2p_diloco/faults.py):
+
+=========  ======================================================================================
+nan        its outer gradients are NaN (training that diverged)
+scale      its outer gradients are scaled by 10⁶ (exploding updates)
+flip       its outer gradients are negated (a learner that climbs the loss): an ordinary norm
+weight     flipped, and it gathers a weight of 10¹⁵ (under the weighted mean: the whole average)
+ahead      it signs progress records claiming 1,000 versions more than it holds
+state      it serves Θ scaled by −50, 3 versions ahead, with a history listing the honest states
+=========  ======================================================================================
+
+Every case runs with the token-weighted mean and with ``averaging.aggregator=median``. The clean
+runs have the three honest learners alone (the same tokens as the honest learners of an attacked
+run). Reported per run, over the honest learners: the final eval loss of the global model (mean over
+learners), its ratio to the clean run's with the same aggregator, the rounds each committed, the
+wall time until all three exited and the time lost against the clean run, the median round time
+and the median time spent collecting commit certificates (the defence's cost in a clean run).
+
+    .venv/bin/python benchmarks/poisoning.py --versions 6 --json benchmarks/results/poisoning.json
+
+Nothing leaves 127.0.0.1; every process group is killed at the end of its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = str(ROOT / "peers" / "small-cpu.toml")
+# The integration tests' fast settings (tests/integration/harness.py): short rounds on 2 cores.
+FAST = [
+    "--set", "inner.steps_per_outer=20", "--set", "averaging.matchmaking_time=2.5",
+    "--set", "averaging.request_timeout=1.0", "--set", "averaging.round_timeout=10.0",
+    "--set", "averaging.next_chunk_timeout=5.0", "--set", "network.record_ttl=8.0",
+    "--set", "run.linger_seconds=20.0",
+]
+ATTACKS = {
+    "clean": None,
+    "nan": "poison at round 2 with nan",
+    "scale": "poison at round 2 with scale 1e6",
+    "flip": "poison at round 2 with flip",
+    "weight": "poison at round 2 with flip; lie at round 2 with weight",
+    "ahead": "lie at round 2 with ahead",
+    "state": "lie at round 2 with state",
+}
+COMMITTED = re.compile(r"outer round committed \| .*? round (?P<round>[\d.]+)s .*? certified in (?P<cert>[\d.]+)s")
+
+
+def run(case: str, aggregator: str, versions: int, work: Path, timeout: float) -> dict:
+    """One swarm: three honest learners and, unless ``case`` is clean, the attacker; its figures."""
+    work.mkdir(parents=True)
+    boot, peers = start_bootstrap(work)
+    common = [*FAST, "--set", f"averaging.aggregator={aggregator}"]
+
+    def learner(i: int, extra: list[str]) -> Proc:
+        return Proc(f"learner-{i}", cli(
+            "learner", "--config", SMALL, "--initial-peers", peers, "--host-maddrs", LOOPBACK_ANY_PORT,
+            "--shard-index", str(i), "--num-shards", "4", "--max-outer-steps", str(versions),
+            "--checkpoint-dir", str(work / f"ckpt-{i}"), "--summary", str(work / f"summary-{i}.json"),
+            *common, *extra), work / f"learner-{i}.log")
+
+    started = time.monotonic()
+    honest = [learner(i, []) for i in range(3)]
+    fault = ATTACKS[case]
+    attacker = learner(3, ["--fault", fault]) if fault else None
+    codes: list[int | None] = []
+    try:
+        for p in honest:
+            try:
+                codes.append(p.wait(max(1.0, timeout - (time.monotonic() - started))))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        wall = time.monotonic() - started
+    finally:
+        stop_procs([*honest, *([attacker] if attacker else []), boot], grace=10)
+    paths = [work / f"summary-{i}.json" for i in range(3)]
+    summaries = [json.loads(path.read_text()) if path.exists() else None for path in paths]
+    rounds, certify = [], []
+    for p in honest:
+        for m in COMMITTED.finditer(p.text()):
+            rounds.append(float(m["round"]))
+            certify.append(float(m["cert"]))
+    done = [s for s in summaries if s]
+    return {
+        "case": case, "aggregator": aggregator, "exit_codes": codes, "wall_seconds": round(wall, 1),
+        "eval_loss": statistics.mean(s["last_eval_loss"] for s in done) if done else None,
+        "first_eval_loss": done[0]["first_eval_loss"] if done else None,
+        "states": len({s["global_state_sha256"] for s in done}),
+        "versions": sorted({s["version"] for s in done}),
+        "rounds_committed": [s["outer_steps"] for s in done],
+        "rounds_failed": [s["rounds_failed"] for s in done],
+        "round_seconds_median": statistics.median(rounds) if rounds else None,
+        "certify_seconds_median": statistics.median(certify) if certify else None,
+    }
+
+
+def table(results: list[dict]) -> str:
+    """The Markdown table of BENCHMARKS.md."""
+    clean = {r["aggregator"]: r for r in results if r["case"] == "clean"}
+    lines = ["| attack | aggregator | honest eval loss | vs clean | one state | rounds committed (each) | wall s | "
+             "lost s | round s (median) | certify s (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = clean.get(r["aggregator"])
+        ratio = (f"{r['eval_loss'] / base['eval_loss']:.3f}" if base and r["eval_loss"] and base["eval_loss"]
+                 else "–")
+        lost = f"{r['wall_seconds'] - base['wall_seconds']:+.0f}" if base else "–"
+        loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "–"
+        rs = f"{r['round_seconds_median']:.2f}" if r["round_seconds_median"] is not None else "–"
+        cs = f"{r['certify_seconds_median']:.2f}" if r["certify_seconds_median"] is not None else "–"
+        lines.append(f"| {r['case']} | {r['aggregator']} | {loss} | {ratio} | {'yes' if r['states'] == 1 else 'no'} "
+                     f"| {r['rounds_committed']} | {r['wall_seconds']:.0f} | {lost} | {rs} | {cs} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versions", type=int, default=6, help="global versions each run trains to")
+    parser.add_argument("--cases", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--aggregators", nargs="+", default=["mean", "median"], choices=["mean", "median",
+                                                                                         "trimmed_mean"])
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    parser.add_argument("--workdir", help="keep the runs' logs here (default: a temporary directory)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="poisoning-") as tmp:
+        base = Path(args.workdir or tmp)
+        results = []
+        for aggregator in args.aggregators:
+            for case in args.cases:
+                r = run(case, aggregator, args.versions, base / f"{case}-{aggregator}", args.timeout)
+                print(json.dumps(r), flush=True)
+                results.append(r)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"versions": args.versions, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

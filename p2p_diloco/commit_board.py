@@ -1,0 +1,96 @@
+"""Collecting a commit's signatures through the DHT (:mod:`p2p_diloco.certificates` says why).
+
+Each member of a round that computed the new state signs its :class:`~p2p_diloco.certificates.Commit`
+and stores ``{commit, signature}`` under ``{lineage}_commit_{fragment}_{version}``, subkey = its own
+public key marker (a signed record: nobody else can write or replace it,
+:mod:`p2p_diloco.signed_records`). It then reads that key until it holds valid signatures of the
+same commit from every contributor, or from at least the quorum K and a short settling time has
+passed, or the deadline comes: then the round fails (nothing is committed; the learner's outer
+gradient stays in the exactly-once ledger, as for any round that may have committed elsewhere).
+
+A member that signs and then fails to collect K signatures may see the others commit (with its
+signature among theirs); it then adopts their certified state like any learner that missed a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.certificates import Certificate, Commit, Signature
+from p2p_diloco.signed_records import IdentityKey
+
+logger = logging.getLogger(__name__)
+
+_RECORD_SECONDS = 300.0  # how long a signature stays in the DHT: long enough for late groupmates
+_MAX_VALUE_BYTES = 64 * 1024
+
+
+@dataclass
+class CommitBoard:
+    """Signs commits with this learner's identity key and collects its groupmates' signatures."""
+
+    dht: Any  # a LinkedDHT started with signed records (``owner`` is its marker)
+    lineage: str
+    key: IdentityKey
+    quorum: int
+    timeout: float = 10.0
+    settle: float = 1.0  # after the quorum, wait this long for the other contributors' signatures
+    poll: float = 0.2
+    should_stop: Callable[[], bool] = lambda: False
+    _me: Signature | None = field(default=None, init=False, repr=False)
+
+    def certify(self, commit: Commit) -> Certificate | str:
+        """Sign ``commit``, publish the signature, collect the others'; the certificate, or why it failed."""
+        mine = Signature.make(self.key, commit)
+        cert = Certificate(commit, (mine,))
+        everyone = max(len(commit.contributors), 1)
+        if everyone <= 1 and self.quorum <= 1:
+            return cert  # a round of one: our own signature is the whole certificate
+        key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"
+        value = msgpack.packb({"commit": commit.to_dict(), "signature": mine.to_list()}, use_bin_type=True)
+        if not self.dht.store(key, value, get_dht_time() + _RECORD_SECONDS, subkey=self.dht.owner):
+            logger.debug(f"could not store our signature of {key} (continuing: peers may still read it)")
+        started, reached = time.monotonic(), None
+        while True:
+            cert = cert.merged_with(self._read(key, commit))
+            signers = len(cert.signers())
+            now = time.monotonic()
+            if signers >= self.quorum and reached is None:
+                reached = now
+            if signers >= everyone or (reached is not None and now - reached >= self.settle):
+                return cert
+            if now - started >= self.timeout or self.should_stop():
+                if reached is not None:
+                    return cert
+                return (f"commit of fragment {commit.fragment} version {commit.version} not certified: "
+                        f"{signers} of the quorum {self.quorum} signatures within {self.timeout:g} s")
+            time.sleep(self.poll)
+
+    def _read(self, key: str, commit: Commit) -> list[Signature]:
+        """The signatures of exactly ``commit`` stored under ``key`` (anything else is ignored)."""
+        try:
+            found = self.dht.get(key, latest=True)
+        except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
+            logger.debug(f"could not read {key}: {e!r}")
+            return []
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for item in found.value.values():
+            raw = getattr(item, "value", None)
+            if not isinstance(raw, bytes) or len(raw) > _MAX_VALUE_BYTES:
+                continue
+            try:
+                entry = msgpack.unpackb(raw, raw=False)
+                if Commit.from_dict(entry["commit"]) == commit:
+                    out.append(Signature.from_list(entry["signature"]))
+            except Exception:  # noqa: BLE001 - a peer's malformed entry: not a signature of ours
+                continue
+        return out

@@ -1,0 +1,59 @@
+"""A malicious member among three honest learners: it lies about its progress, or serves a poisoned state.
+
+Real learners over real p2pd daemons. The liar is a member of the swarm (it contributes honest outer
+gradients to rounds); from round 2 on it either signs progress records claiming 1,000 versions more
+than it holds, or serves a state whose Θ is poisoned, 3 versions ahead, with a history that lists the
+states its victims hold (``lie at round 2 with ahead|state``, p2p_diloco/faults.py). The honest
+learners must keep committing, end on one state, never take the poisoned one, and say why.
+"""
+
+import re
+
+import pytest
+
+from p2p_diloco.admission import peer_id_of
+
+from .test_swarm import _assert_one_lineage
+
+pytestmark = pytest.mark.integration
+
+TARGET = 5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lie", ["state", "ahead"])
+def test_honest_learners_are_not_fooled_by_a_lying_member(swarm, lie):
+    swarm.start_bootstrap()
+    liar_id = peer_id_of(swarm.tmp / "ckpt-3" / "identity.key")
+    honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]
+    liar = swarm.start_learner(3, max_outer_steps=TARGET, extra=["--fault", f"lie at round 2 with {lie}"])
+    for p in honest:
+        assert p.wait(240) == 0, p.text()
+    summaries = _assert_one_lineage(swarm, range(3), TARGET)
+    for s in summaries:
+        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, s
+    texts = [p.text() for p in honest]
+    assert not any("synced global state" in t and f"from {liar_id}" in t for t in texts)
+    if lie == "state":
+        refusals = [t for t in texts if f"rejected state from {liar_id}: fragment 0 version" in t]
+    else:
+        refusals = [t for t in texts if f"{liar_id} claimed version" in t]
+    assert refusals, "\n".join(t[-3000:] for t in texts) + liar.text()[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_weight(swarm):
+    """Sign-flipped outer gradients have an ordinary norm (robust merging's exclusion cannot see them),
+    and a weight of 1e15 would make the weighted mean the liar's: the median ignores both."""
+    robust = ["--set", "averaging.aggregator=median"]
+    swarm.start_bootstrap()
+    honest = [swarm.start_learner(i, max_outer_steps=TARGET, extra=robust) for i in range(3)]
+    swarm.start_learner(3, max_outer_steps=TARGET,
+                        extra=[*robust, "--fault", "poison at round 2 with flip; lie at round 2 with weight"])
+    for p in honest:
+        assert p.wait(240) == 0, p.text()
+    summaries = _assert_one_lineage(swarm, range(3), TARGET)
+    for p, s in zip(honest, summaries, strict=True):
+        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, s
+        groups = [int(n) for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", p.text())]
+        assert 4 in groups, groups  # the liar was in the rounds: outvoted, not left out

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from p2p_diloco.audit import Audit
 from p2p_diloco.averaging import Averaging
 from p2p_diloco.certificates import Certifier, Commit, Verifier
 from p2p_diloco.config import LearnerConfig
@@ -60,8 +61,9 @@ class CatchUp:
     """
     def __init__(self, cfg: LearnerConfig, state: LearnerState, averaging: Averaging, progress: Progress,
                  should_stop: Callable[[], bool], verifier: Verifier | None = None,
-                 certifier: Certifier | None = None):
+                 certifier: Certifier | None = None, audit: Audit | None = None):
         self.cfg, self.state, self.averaging, self.progress = cfg, state, averaging, progress
+        self.audit = audit or Audit.disabled()  # audit.jsonl: downloads, rejections, adoptions, merges
         self.should_stop = should_stop
         self.verifier = verifier  # None: downloads are taken on their hashes alone (tests without a swarm)
         self.certifier = certifier  # signs the merges this learner computes
@@ -193,6 +195,7 @@ class CatchUp:
             problem = problem or self._uncertified(theirs)
             if problem:
                 logger.warning(f"rejected state from {peer or 'a peer'}: {problem}")
+                self.audit.record("download_rejected", peer=peer or "any", reason=problem, distrusted=peer is not None)
                 if peer is not None:
                     self.progress.distrust(peer, DISTRUST_SECONDS)
                 continue
@@ -202,8 +205,11 @@ class CatchUp:
                 logger.warning(f"{peer} claimed version {claimed[short[0]]} of fragment {short[0]} but serves "
                                f"{theirs[short[0]].version}; ignoring its records for {DISTRUST_SECONDS:.0f} s")
                 self.progress.distrust(str(peer), DISTRUST_SECONDS)
+                self.audit.record("distrusted", peer=peer, reason=f"claimed version {claimed[short[0]]} of fragment "
+                                  f"{short[0]}, served {theirs[short[0]].version}", seconds=DISTRUST_SECONDS)
                 continue
             if any(not same_or_behind(self.state.states[f], s) for f, s in theirs.items()):
+                self.audit.downloaded(peer or "any", theirs, "verified" if self.verifier is not None else "not checked")
                 return theirs
         return {}
 
@@ -244,6 +250,7 @@ class CatchUp:
                            f"peer's v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} "
                            f"{new.sha256()[:12]} weighted by tokens")
             self._certify_merge(frag.index, new)
+        self.audit.adopted(frag.index, ours, theirs, new, "verified" if self.verifier is not None else "not checked")
         self._rebase_onto(frag, ours, self.state.pin(new))
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new

@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | learner | swarm | regions | export | peer-id.
+"""``p2p-diloco``: bootstrap | learner | swarm | regions | export | peer-id | status | audit.
 
 Errors a user can cause are printed as one line (``error: ...``) with exit code 2; no traceback.
 Each subcommand imports what it needs when it runs: ``--help``, config errors and
@@ -63,6 +63,8 @@ def _add_learner_parser(sub: argparse._SubParsersAction) -> None:
     ln.add_argument("--checkpoint-dir", help="where checkpoints go (default: first free checkpoints/learner-N)")
     ln.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     ln.add_argument("--summary", help="write a JSON summary here at exit")
+    ln.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port, on all interfaces "
+                                                     "(default: off)")
     ln.add_argument("--seed", type=int, help="model init and sampling seed (same for the whole swarm)")
     ln.add_argument("--fault", help="fault injection for tests, e.g. 'kill at round 3 during reduce' "
                                     "(';' separates several; see p2p_diloco/faults.py)")
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``p2p-diloco`` argument parser: ``--log-level`` and the bootstrap, learner, swarm and regions subcommands."""
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line (time, level, logger, peer, step, round, message)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bootstrap", help="run a DHT entry point that does not train")
@@ -110,11 +114,37 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint-dir", required=True, help="a learner's checkpoint directory (holding latest.pt)")
     e.add_argument("--out", required=True, help="directory to write the model to (created if missing)")
 
+    st = sub.add_parser("status", help="show the swarm's learners as a table, read from the DHT as a light client "
+                                       "(it does not train and is not counted)")
+    st.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True,
+                    help="multiaddrs of any running peer (bootstrap node or learner)")
+    st.add_argument("--run-id", default="p2p-diloco", help="the swarm's run id (default: p2p-diloco)")
+    st.add_argument("--watch", action="store_true", help="refresh in place until Ctrl+C")
+    st.add_argument("--json", action="store_true", help="print one JSON document (with --watch: one a line)")
+    st.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
+    st.add_argument("--identity", help="identity file to join with (a private swarm must allow its peer ID); "
+                                       "default: a throwaway one")
+
+    pl = sub.add_parser("plot", help="draw a run from its learners' audit logs: eval loss over time and tokens, "
+                                     "share of time computing, contributions and bytes per round (PNG)")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                    help="learners' checkpoint directories, or directories holding several")
+    pl.add_argument("-o", "--out", default="run.png", help="the PNG to write (default run.png)")
+
     pid = sub.add_parser("peer-id", help="print the peer ID of a learner's or bootstrap node's identity (creating "
                                          "the identity if missing), for a private swarm's --allowed-peers file")
     who = pid.add_mutually_exclusive_group(required=True)
     who.add_argument("--checkpoint-dir", help="a learner's checkpoint directory (its key is identity.key there)")
     who.add_argument("--identity", help="a bootstrap node's --identity file")
+
+    au = sub.add_parser("audit", help="check learners' audit logs (audit.jsonl in their checkpoint directories)")
+    au_sub = au.add_subparsers(dest="audit_command", required=True)
+    av = au_sub.add_parser("verify", help="check every chain and signature, cross-check the learners, summarise; "
+                                          "exit 1 naming the first inconsistency (FILE:LINE)")
+    av.add_argument("dirs", nargs="+", metavar="DIR", help="learners' checkpoint directories (or audit.jsonl files)")
+    av.add_argument("--strict", action="store_true",
+                    help="also fail on an adopted state that no given log committed and whose certificate was "
+                         "not checked")
     return parser
 
 
@@ -131,7 +161,7 @@ def _learner_overrides(args: argparse.Namespace) -> list[str]:
         "data.path": args.data, "model.path": args.model, "data.tokenizer": args.tokenizer,
         "run.device": args.device, "data.shard_index": args.shard_index, "data.num_shards": args.num_shards,
         "run.max_outer_steps": args.max_outer_steps, "run.checkpoint_dir": args.checkpoint_dir,
-        "run.summary": args.summary, "run.seed": args.seed,
+        "run.summary": args.summary, "run.seed": args.seed, "run.metrics_port": args.metrics_port,
     }
     out = [f"{k}={q(v)}" for k, v in pairs.items() if v is not None]
     if args.resume:
@@ -139,10 +169,15 @@ def _learner_overrides(args: argparse.Namespace) -> list[str]:
     return out + list(args.overrides)
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, fmt: str = "text") -> None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING" if level != "DEBUG" else "DEBUG")
     logging.basicConfig(level=level, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if fmt == "json":
+        from p2p_diloco.peer_log import JsonLines
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
 
 
 def _run_learner(args: argparse.Namespace) -> int:
@@ -243,12 +278,32 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_plot(args: argparse.Namespace) -> int:
+    from p2p_diloco.plot import plot  # matplotlib: only when plotting
+
+    print(plot(args.run_dirs, args.out))
+    return 0
+
+
 def _run_peer_id(args: argparse.Namespace) -> int:
     from p2p_diloco.admission import peer_id_of  # hivemind: only to read or make the key
 
     path = Path(args.checkpoint_dir) / "identity.key" if args.checkpoint_dir else Path(args.identity)
     print(peer_id_of(path))
     return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from p2p_diloco.status import run_status  # hivemind and rich: only when asked
+
+    return run_status(args.initial_peers, args.run_id, watch=args.watch, as_json=args.json,
+                      interval=args.interval, identity=args.identity)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    from p2p_diloco.audit_verify import main as verify_main  # hivemind's crypto: only to check signatures
+
+    return verify_main(args.dirs, strict=args.strict)
 
 
 def _run_regions(args: argparse.Namespace) -> int:
@@ -260,9 +315,10 @@ def _run_regions(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``p2p-diloco`` command line; returns the exit code."""
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level)
+    _configure_logging(args.log_level, args.log_format)
     handler = {"learner": _run_learner, "bootstrap": _run_bootstrap, "swarm": _run_swarm,
-               "regions": _run_regions, "export": _run_export, "peer-id": _run_peer_id}[args.command]
+               "regions": _run_regions, "export": _run_export, "peer-id": _run_peer_id,
+               "status": _run_status, "audit": _run_audit, "plot": _run_plot}[args.command]
     try:
         return handler(args)
     except UserError as e:

@@ -225,6 +225,11 @@ class RunConfig(_Section):
                                   "the swarm in one last round per fragment (0: leave at once; a second signal also "
                                   "leaves at once)")
     log_every: int = Field(10, ge=1, description="inner steps between progress lines")
+    audit_sign_every: int = Field(
+        20, ge=1, le=10_000, description="audit.jsonl (p2p_diloco/audit.py): sign the chain head with the identity "
+                                         "key after this many lines (and at exit)")
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve Prometheus metrics on this port (all interfaces: 0.0.0.0); None: off")
     sharding: Literal["ddp", "fsdp"] = Field(
         "ddp", description="in a torchrun unit of several workers: ddp (every worker holds the whole model) or fsdp "
                            "(each holds 1/N of θ, its gradients and inner-optimizer state; rank 0 keeps a full copy "

@@ -67,7 +67,8 @@ def load_splits(
     """Several splits in one pass over the corpus (a learner needs its shard and the eval split).
 
     Each split gets exactly what ``load_split`` alone would give it: documents in corpus order,
-    joined by a newline, until its own ``data.max_corpus_mb`` of text is reached. Reading the
+    joined by the tokenizer's separator (a newline for bytes, the end-of-text token otherwise),
+    until its own ``data.max_corpus_mb`` of text is reached. Reading the
     corpus once instead of twice shortens a learner's (re)start. ``tokenizer`` None means bytes.
     DataError when the corpus is unusable, or a split holds under 1 KiB of text or under
     ``min_tokens`` tokens (pass ``model.seq_len + 2`` to get the error before training).

@@ -60,6 +60,7 @@ class Learner:
         self.target_loss_reached = False
         self._parts: Parts | None = None
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
+        self._loop_started = time.perf_counter()  # this run's training loop (train_seconds counts earlier runs)
 
     @property
     def parts(self) -> Parts:
@@ -84,6 +85,7 @@ class Learner:
             train_started = time.perf_counter()
             self._train()
             c.train_seconds += time.perf_counter() - train_started
+            p.metrics.update(p.state)
             if self.finished():
                 p.progress.publish("done")
                 logger.info(f"reached version {p.state.version}; serving state to learners still behind")
@@ -96,6 +98,7 @@ class Learner:
         p, cfg = self.parts, self.cfg
         c, h, t = p.state.counters, cfg.inner.steps_per_outer, p.trainer
         self.leaving.training = True
+        self._loop_started = time.perf_counter()
         losses: list[float] = []
         t.meter.reset()
         while self.unit.sync(go=not self.stop.is_set() and not self.finished()):
@@ -105,6 +108,7 @@ class Learner:
                 recent = losses[-cfg.run.log_every:]
                 logger.info(f"inner {c.inner_steps % h or h}/{h} loss {sum(recent) / len(recent):.4f} "
                             f"({t.meter.rates()}, lr {t.inner_opt.lr:.2e} at schedule step {t.lr_at})")
+                p.metrics.update(p.state, train_loss=sum(recent) / len(recent), lr=t.inner_opt.lr)
             if c.inner_steps % h == 0:
                 self._end_of_outer_step(losses)
                 losses = []
@@ -151,8 +155,9 @@ class Learner:
         eval_due = (c.inner_steps // cfg.inner.steps_per_outer) % cfg.run.eval_every == 0
         busy = c.compute_seconds / max(1e-9, c.compute_seconds + c.wait_seconds)
         train_loss = sum(losses) / max(1, len(losses))
+        eval_loss = self.evaluate() if eval_due else None
         logger.info(f"outer step done | version {p.state.version} tokens {c.tokens} train_loss {train_loss:.4f} "
-                    f"{f'eval_loss {self.evaluate():.4f} ' if eval_due else ''}compute {busy:.1%} sent "
+                    f"{'' if eval_loss is None else f'eval_loss {eval_loss:.4f} '}compute {busy:.1%} sent "
                     f"{c.bytes_sent / 1e6:.3f} MB total global_tokens {min(s.tokens for s in p.state.states)} "
                     f"steps_merged {c.steps_merged:.0f}")
         target = cfg.run.stop_at_eval_loss
@@ -161,6 +166,8 @@ class Learner:
             self.target_loss_reached = global_loss <= target
             logger.info(f"global model eval_loss {global_loss:.4f} at version {p.state.version} (target {target:g}"
                         f"{': reached' if self.target_loss_reached else ''})")
+        p.metrics.update(p.state, train_loss=train_loss, eval_loss=eval_loss)
+        p.audit.outer_step(p.state, train_loss, eval_loss, c.train_seconds + time.perf_counter() - self._loop_started)
         p.progress.publish()
         self.checkpoint()
 
@@ -226,6 +233,7 @@ class Learner:
             return  # set_up shut down whatever it had started
         p.progress.stop()
         p.rounds.join_threads()
+        p.audit.left(p.state.states, finished=self.finished(), signalled=self.stop.is_set())
         p.close()  # publishes our "left" record, then stops the averager, the DHT, the writer
 
 

@@ -158,6 +158,7 @@ def start_dht(
     what: str = "DHT",
     admission: Admission | None = None,
     signing: Path | None = None,
+    client_mode: bool = False,
 ) -> LinkedDHT:
     """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
 
@@ -165,7 +166,8 @@ def start_dht(
     ``wait=False`` it returns at once and ``dht.wait_until_ready()`` waits for the start. Any failure
     (a malformed multiaddr, a port in use, p2pd not starting in ``startup_timeout`` seconds) becomes
     one :class:`LearnerError` line naming ``what`` was being started. ``admission``: who may call this
-    peer (default: everyone). ``signing``: the identity file whose key signs this peer's records; with
+    peer (default: everyone). ``client_mode``: a light client, which asks and stores nothing for others.
+    ``signing``: the identity file whose key signs this peer's records; with
     it, records of others are validated (:mod:`p2p_diloco.signed_records`, :meth:`LinkedDHT.protect`).
     """
     validators: list[Any] = []
@@ -187,6 +189,7 @@ def start_dht(
             owned=owned,
             owner=owner,
             record_validators=validators,
+            client_mode=client_mode,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
         raise _start_error(what, e) from None

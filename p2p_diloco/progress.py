@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from p2p_diloco.faults import LIE_VERSIONS, FaultPlan
 from p2p_diloco.learner_state import LearnerState
@@ -27,6 +29,7 @@ class Progress:
         self.stale = False  # set after a failed round: the swarm may have moved on
         self._seen: dict[str, ProgressRecord] | None = None
         self.faults: FaultPlan | None = None  # a test's plan: "lie ... with ahead" forges our record
+        self.resources: Callable[[], dict[str, Any]] = dict  # the record's resource fields (metrics.resources)
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
@@ -48,7 +51,8 @@ class Progress:
         if self.faults and self.faults.lying("ahead", min(versions) + 1):
             versions = tuple(v + LIE_VERSIONS["ahead"] for v in versions)
         self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(e["tokens"] for e in entries),
-                                          self.status, versions=versions, shas=tuple(e["sha256"] for e in entries)))
+                                          self.status, versions=versions, shas=tuple(e["sha256"] for e in entries),
+                                          **self.resources()))
 
     def records(self, fresh: bool) -> dict[str, ProgressRecord]:
         """The swarm's records (ours included): looked up now, or as last seen by the heartbeat."""

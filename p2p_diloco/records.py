@@ -13,6 +13,8 @@ Records from peers are untrusted input: anything malformed is dropped with a log
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -28,6 +30,8 @@ logger = get_logger(__name__)
 Status = Literal["training", "done", "left"]
 _STATUSES = ("training", "done", "left")
 _MAX_RECORD_BYTES = 16 * 1024
+_MAX_TEXT = 128  # the longest string field (a device's name)
+_LINEAGE_RE = re.compile(r"[A-Za-z0-9_\-]{1,128}")
 
 
 class RecordError(ValueError):
@@ -50,6 +54,16 @@ class ProgressRecord:
     wall_time: float = 0.0
     versions: tuple[int, ...] = ()  # per fragment; `version` is their minimum
     shas: tuple[str, ...] = ()  # per fragment: with the versions, tells sibling lineages apart
+    # What the learner contributes (resource transparency); defaults for records of older versions:
+    device_kind: str = ""  # cpu, cuda, mps
+    device_name: str = ""  # e.g. "cuda:0 (NVIDIA H200)"
+    workers: int = 0  # devices of its learner unit
+    cpu_cores: int = 0
+    tokens_per_second: float = 0.0  # over its training so far
+    tokens_contributed: int = 0  # its tokens that entered the global state (mean over fragments)
+    bytes_sent: int = 0  # by its rounds
+    uptime: float = 0.0  # seconds since it started
+    eval_loss: float | None = None  # its last eval of its local model
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
@@ -98,16 +112,44 @@ class ProgressRecord:
             raise RecordError("bad shas")
         assert isinstance(sha, str)  # checked by _is_sha above
         return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall),
-                   versions=tuple(versions), shas=tuple(shas))
+                   versions=tuple(versions), shas=tuple(shas), **_resources(obj))
+
+
+def _resources(obj: dict) -> dict:
+    """The resource fields of a record's map, checked; absent ones take their defaults."""
+    out: dict = {}
+    for name in ("device_kind", "device_name"):
+        value = obj.get(name, "")
+        if not (isinstance(value, str) and len(value) <= _MAX_TEXT and value.isprintable()):
+            raise RecordError(f"bad {name}")
+        out[name] = value
+    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent"):
+        value = obj.get(name, 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62):
+            raise RecordError(f"bad {name} {value!r}")
+        out[name] = value
+    for name in ("tokens_per_second", "uptime"):
+        value = obj.get(name, 0.0)
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                and 0 <= value < 1e15):
+            raise RecordError(f"bad {name} {value!r}")
+        out[name] = float(value)
+    loss = obj.get("eval_loss")
+    if loss is not None and not (isinstance(loss, int | float) and not isinstance(loss, bool)
+                                 and math.isfinite(loss) and 0 <= loss < 1e6):
+        raise RecordError(f"bad eval_loss {loss!r}")
+    out["eval_loss"] = None if loss is None else float(loss)
+    return out
 
 
 class ProgressBoard:
     """Publish this learner's record and read everyone's."""
 
-    def __init__(self, dht: DHT, run_id: str, ttl: float, owner: bytes):
-        """``owner``: this learner's subkey, its public key marker (``signed_records.owner_marker``)."""
+    def __init__(self, dht: DHT, run_id: str, ttl: float, owner: bytes, index: LineageIndex | None = None):
+        """``owner``: this learner's subkey, its public key marker (``signed_records.owner_marker``).
+        ``index``: the run's lineage index, refreshed with each record (``run_id`` is then the lineage)."""
         self.dht, self.key, self.ttl = dht, progress_key(run_id), ttl
-        self._peer_key = owner
+        self._peer_key, self._index, self._lineage = owner, index, run_id
 
     def publish(self, record: ProgressRecord) -> bool:
         """Store ``record``, stamped with the wall time, under our subkey for ``ttl`` seconds.
@@ -115,6 +157,8 @@ class ProgressBoard:
         Best effort: returns False (with a warning for an error) instead of raising.
         """
         record = ProgressRecord(**{**asdict(record), "wall_time": time.time()})
+        if self._index is not None:
+            self._index.publish(self._lineage)
         try:
             return bool(
                 self.dht.store(
@@ -146,6 +190,49 @@ class ProgressBoard:
             except (RecordError, AttributeError) as e:
                 logger.warning(f"rejected progress record from {peer}: {e}")
         return records
+
+
+class LineageIndex:
+    """Which lineages a run has: each learner stores its lineage under ``{run_id}_lineages`` (signed, its
+    owner marker as subkey, like its progress record), so that a reader who knows only the run id (``p2p-diloco
+    status``) finds the lineages' progress keys without knowing the settings hashed into them."""
+
+    def __init__(self, dht: DHT, run_id: str, ttl: float, owner: bytes = b""):
+        self.dht, self.key, self.ttl, self._owner = dht, lineages_key(run_id), ttl, owner
+
+    def publish(self, lineage: str) -> bool:
+        """Store our lineage for ``ttl`` seconds; best effort, like :meth:`ProgressBoard.publish`."""
+        try:
+            return bool(self.dht.store(self.key, lineage.encode(), get_dht_time() + self.ttl, subkey=self._owner))
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.warning(f"could not publish lineage index record: {e!r}")
+            return False
+
+    def read(self) -> dict[str, str]:
+        """Live lineages by peer ID; malformed entries are dropped."""
+        found = self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        out = {}
+        for subkey, item in found.value.items():
+            owner = peer_id_of_owner(subkey)
+            lineage = decode_lineage(getattr(item, "value", None))
+            if owner is not None and lineage is not None:
+                out[str(owner)] = lineage
+        return out
+
+
+def decode_lineage(raw: object) -> str | None:
+    """The lineage in an index record's value; None if it is not one (untrusted input)."""
+    if not isinstance(raw, bytes) or len(raw) > _MAX_TEXT:
+        return None
+    text = raw.decode("ascii", errors="replace")
+    return text if _LINEAGE_RE.fullmatch(text) else None
+
+
+def lineages_key(run_id: str) -> str:
+    """The DHT key of a run's lineage index (protected like the progress keys)."""
+    return f"{run_id}_lineages"
 
 
 def progress_key(lineage: str) -> str:

@@ -57,6 +57,10 @@ class RoundOutcome:
     certify_seconds: float = 0.0  # collecting the commit certificate's signatures
     version: int = 0
     superseded: bool = False  # the swarm moved past our version while we looked for a group
+    parent: str = ""  # committed: the hash of the state the round was applied to
+    sha256: str = ""  # committed: the new state's hash
+    members: dict[str, dict[str, Any]] = field(default_factory=dict)  # committed: contributor → its tokens, weight
+    excluded: dict[str, str] = field(default_factory=dict)  # groupmate → why its contribution was left out
 
     @property
     def committed(self) -> bool:
@@ -83,6 +87,7 @@ class OuterRound:
     stage: Stage = field(init=False, default=Stage.PREPARED)
     _delta: list[torch.Tensor] = field(init=False, repr=False)
     _norm: float = field(init=False, default=0.0)
+    _excluded: dict[str, str] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._delta = pseudo_gradient(self.state.params, self.local_params)
@@ -127,6 +132,7 @@ class OuterRound:
             outcome = self._fail(f"unexpected {type(e).__name__}: {e}")
         outcome.round_seconds = time.perf_counter() - started
         outcome.version = self.state.version
+        outcome.excluded = self._excluded
         return outcome
 
     def _run(self) -> RoundOutcome:
@@ -159,10 +165,11 @@ class OuterRound:
         group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
         self.optimizer.apply(self.state, averaged, tokens=group_tokens)
         self.state.record_contributors(self.state.version, contributors)
+        new_sha = self.state.sha256()
         certifying = time.perf_counter()
         if self.certifier is not None:
             cert = self.certifier.certify(Commit(self.certifier.lineage, self.fragment, self.state.version,
-                                                 self.state.sha256(), meta["sha256"], tuple(sorted(contributors))))
+                                                 new_sha, meta["sha256"], tuple(sorted(contributors))))
             if isinstance(cert, str):
                 return self._fail(cert, group_size=len(contributors))
             self.state.add_certificate(self.state.version, cert.to_dict())
@@ -174,11 +181,15 @@ class OuterRound:
             allreduce_seconds=result.allreduce_seconds,
             bytes_sent=result.bytes_sent,
             certify_seconds=time.perf_counter() - certifying,
+            parent=meta["sha256"],
+            sha256=new_sha,
+            members={p: {"tokens": int(m.get("tokens", 0)), "weight": m.get("weight")} for p, m in mates.items()},
         )
 
     def _log_exclusions(self, verdict: Verdict) -> None:
         """One line per excluded groupmate: WARNING for what it sent, INFO when only its groupmates' bans exclude it."""
         for peer, exclusion in sorted(verdict.excluded.items()):
+            self._excluded[peer] = exclusion.why
             logger.log(logging.INFO if exclusion.banned else logging.WARNING,
                        f"excluded {peer[-6:]} from fragment {self.fragment} version {self.state.version}: "
                        f"{exclusion.why}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.utils import get_dht_time
 
+from p2p_diloco.audit import Audit
 from p2p_diloco.averaging import Averaging
 from p2p_diloco.catch_up import CatchUp
 from p2p_diloco.certificates import Certifier
@@ -25,6 +26,7 @@ from p2p_diloco.fragments import ClockSchedule, Fragment, due_fragments
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.learner_state import LearnerState, Unconfirmed
 from p2p_diloco.merging import token_weight
+from p2p_diloco.metrics import Metrics
 from p2p_diloco.outer import GlobalState, OuterOptimizer, apply_result
 from p2p_diloco.progress import Progress
 from p2p_diloco.round import OuterRound, RoundOutcome, Stage
@@ -72,6 +74,7 @@ class Rounds:
     certifier: Certifier | None = None  # signs what a round commits (None: no certificates, for tests)
     inflight: InFlight | None = None
     detached: InFlight | None = None  # a round we stopped waiting for at τ; still running
+    audit: Audit = field(default_factory=Audit.disabled)  # audit.jsonl: each round's outcome
     last_outcome: RoundOutcome | None = None
     pending: dict[int, float] = field(default_factory=dict)  # fragment → deadline (monotonic) of a slot
     # Steps schedule: added to the step counter to find due fragments; moved when we re-join the
@@ -79,6 +82,7 @@ class Rounds:
     phase_shift: int = 0
     out_of_phase: bool = False  # the last round on the steps schedule ended without a commit
     next_phase_look: float = 0.0  # monotonic time of the next DHT look for the others' rounds
+    metrics: Metrics = field(default_factory=Metrics)
 
     def tick(self) -> None:
         """After each inner step: apply a due result, adopt downloads, start the rounds that are due."""
@@ -146,9 +150,11 @@ class Rounds:
                 return None
         self.inflight = None
         out, f = _outcome(task), task.fragment.index
+        self.audit.round(f, out, self.cfg.codec_for(f), task.tokens)
         self.last_outcome = out
         c.bytes_sent += out.bytes_sent
         self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
+        self.metrics.round(f, out)
         if out.committed:
             self._apply(task)
         else:
@@ -210,6 +216,7 @@ class Rounds:
             return
         self.detached = None
         out, f = _outcome(task), task.fragment.index
+        self.audit.round(f, out, self.cfg.codec_for(f), task.tokens, late=True)
         self.state.counters.bytes_sent += out.bytes_sent
         if not out.committed:
             self._failed()

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,9 @@ import torch
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
-from p2p_diloco import STARTED, peer_log
+from p2p_diloco import STARTED, __version__, peer_log
 from p2p_diloco.admission import Admission, admit_self, peer_id_of
+from p2p_diloco.audit import Audit
 from p2p_diloco.catch_up import CatchUp
 from p2p_diloco.certificates import Verifier
 from p2p_diloco.checkpoint import (
@@ -42,11 +43,12 @@ from p2p_diloco.grace import GraceWindow
 from p2p_diloco.hivemind_averaging import HivemindAveraging
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
 from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
+from p2p_diloco.metrics import Metrics, resources
 from p2p_diloco.models import build_model, embedding_names, model_config_json, named_shapes, vocab_size
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
-from p2p_diloco.records import ProgressBoard, progress_key
+from p2p_diloco.records import LineageIndex, ProgressBoard, lineages_key, progress_key
 from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
 from p2p_diloco.signed_records import IdentityKey
@@ -110,6 +112,8 @@ class Parts:
     rounds: Rounds
     writer: CheckpointWriter
     closer: contextlib.ExitStack
+    metrics: Metrics = field(default_factory=Metrics)
+    audit: Audit = field(default_factory=Audit.disabled)
 
     def close(self) -> None:
         """Shut down everything :func:`set_up` started, in reverse order."""
@@ -235,6 +239,9 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     admission = Admission.from_file(cfg.network.allowed_peers)
     ckpt_dir, dir_lock = claim_checkpoint_dir(cfg.run.checkpoint_dir)
     closer.callback(dir_lock.release)
+    metrics = Metrics()
+    if cfg.run.metrics_port is not None:  # before the DHT: a port in use is refused at once
+        closer.callback(metrics.serve(cfg.run.metrics_port))
     payload = load_checkpoint(ckpt_dir) if cfg.run.resume else None
     if payload is not None:
         check_compatible(cfg, payload, ckpt_dir)
@@ -261,12 +268,18 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     lineage, progress = _join(cfg, dht, state, payload, lineage_id(cfg, trainer.model_files, tokenizer.fingerprint))
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
+    progress.resources = lambda: resources(trainer, state.counters, began, metrics)
+    metrics.describe(run_id=cfg.network.run_id, lineage=lineage, peer_id=state.peer_id, version=__version__,
+                     codec=",".join(sorted({cfg.codec_for(f) for f in range(cfg.sync.fragments)})))
     waited = time.monotonic() - waited
     if data is None:
         data = load_data(cfg, shard_for_peer(dht.peer_id.to_bytes(), cfg.data.num_shards), tokenizer)
     if cursor is not None:
         data.sampler.cursor = cursor
     logger.info(f"checkpoints in {ckpt_dir}; data shard {data.shard}/{cfg.data.num_shards}")
+    audit = Audit.open(ckpt_dir, IdentityKey.load(identity), state.peer_id, cfg.run.audit_sign_every, lineage=lineage,
+                       shard=data.shard, versions=[s.version for s in state.states], checkpoint=payload is not None)
+    closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
     averager = time.monotonic()
@@ -278,15 +291,17 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     board = CommitBoard(dht, lineage, IdentityKey.load(ckpt_dir / "identity.key"), cfg.averaging.min_group_size,
                         timeout=cfg.averaging.certify_timeout)
     verifier = Verifier(lineage, cfg.averaging.min_group_size, admission.allowed)
-    catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving, verifier=verifier, certifier=board)
+    catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving, verifier=verifier, certifier=board,
+                       audit=audit)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                         min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
     rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit,
-                    certifier=board)
+                    certifier=board, metrics=metrics, audit=audit)
     now = time.monotonic()
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
                 f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
-    return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer)
+    return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer,
+                 metrics, audit)
 
 
 def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
@@ -326,8 +341,10 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict
     logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")
     lineage = f"{cfg.network.run_id}-{lineage_hash}"
     logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
-    dht.protect([progress_key(lineage)])
-    progress = Progress(ProgressBoard(dht, lineage, cfg.network.record_ttl, dht.owner), state, cfg.network.record_ttl)
+    ttl, run_id = cfg.network.record_ttl, cfg.network.run_id
+    dht.protect([progress_key(lineage), lineages_key(run_id)])
+    index = LineageIndex(dht, run_id, ttl, dht.owner)  # lets `p2p-diloco status` find our lineage
+    progress = Progress(ProgressBoard(dht, lineage, ttl, dht.owner, index), state, ttl)
     # Announce ourselves at once, before the download, so that learners finishing the run see a
     # newcomer behind them and keep serving state until it has caught up.
     progress.announce(min(g["version"] for g in payload["global"]) if payload is not None else 0)

@@ -25,7 +25,7 @@ import torch
 from p2p_diloco.config import DataConfig
 
 # Bump when the layout of cached files or the way splits are tokenised changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: documents joined by the tokenizer's end-of-text token when it has one
 # dtype name -> (torch dtype, array typecode); 'i' is 4 bytes on every platform torch supports.
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "uint8": (torch.uint8, "B"),

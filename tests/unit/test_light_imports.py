@@ -28,7 +28,8 @@ import {modules}
 print("loaded:" + ",".join(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)
 """
 
-LIGHT = ("--help", "bootstrap --help", "learner --help", "swarm --help", "regions --help", "regions --emit-compose")
+LIGHT = ("--help", "bootstrap --help", "learner --help", "swarm --help", "regions --help", "regions --emit-compose",
+         "audit verify --help")
 BAD_CONFIG = (
     "learner --set inner.lr=abc",
     "learner --config missing.toml",

@@ -55,3 +55,18 @@ def test_a_failed_averaging_step_traceback_goes_to_debug():
     assert step.levelno == logging.DEBUG
     other = record("something else", func="rpc_join_group")
     assert f.filter(other) and other.levelno == logging.ERROR
+
+
+def test_json_lines_carry_the_prefix_fields_and_the_bare_message(handler):
+    import json
+
+    peer_log.install()
+    peer_log.set_peer("aB3xYz")
+    peer_log.set_position(lambda: (120, 4))
+    logging.getLogger("p2p_diloco.rounds").warning("outer round committed | version %d", 5)
+    logging.getLogger("elsewhere").warning("not ours")
+    lines = [json.loads(peer_log.JsonLines().format(r)) for r in handler.records]
+    assert lines[0]["peer"] == "aB3xYz" and (lines[0]["step"], lines[0]["round"]) == (120, 4)
+    assert lines[0]["message"] == "outer round committed | version 5" and lines[0]["level"] == "WARNING"
+    assert lines[0]["logger"] == "p2p_diloco.rounds" and lines[0]["time"].endswith("Z")
+    assert lines[1]["message"] == "not ours" and "peer" not in lines[1]

@@ -104,6 +104,7 @@ def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
     ConfigError for a bad allow-list) if it cannot."""
     from p2p_diloco.admission import Admission, admit_self, peer_id_of
     from p2p_diloco.lifecycle import start_dht
+    from p2p_diloco.signed_records import IdentityKey
 
     admission = Admission.from_file(cfg.allowed_peers)
     Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,7 @@ def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
     return start_dht(
         initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
         identity_path=cfg.identity_path, startup_timeout=cfg.startup_timeout, what="bootstrap DHT node",
-        admission=admission, signing=Path(cfg.identity_path),
+        admission=admission, signing=IdentityKey.load(cfg.identity_path),
     )
 
 

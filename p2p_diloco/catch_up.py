@@ -209,9 +209,14 @@ class CatchUp:
                                   f"{short[0]}, served {theirs[short[0]].version}", seconds=DISTRUST_SECONDS)
                 continue
             if any(not same_or_behind(self.state.states[f], s) for f, s in theirs.items()):
-                self.audit.downloaded(peer or "any", theirs, "verified" if self.verifier is not None else "not checked")
+                self.audit.downloaded(peer or "any", theirs, self._how_checked)
                 return theirs
         return {}
+
+    @property
+    def _how_checked(self) -> str:
+        """How a downloaded state was checked, as the audit log says it."""
+        return "verified" if self.verifier is not None else "not checked"
 
     def _uncertified(self, theirs: dict[int, GlobalState]) -> str:
         """Why a downloaded state may not be taken ("" if it may): a fragment ahead of ours or beside it
@@ -250,7 +255,7 @@ class CatchUp:
                            f"peer's v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} "
                            f"{new.sha256()[:12]} weighted by tokens")
             self._certify_merge(frag.index, new)
-        self.audit.adopted(frag.index, ours, theirs, new, "verified" if self.verifier is not None else "not checked")
+        self.audit.adopted(frag.index, ours, theirs, new, self._how_checked)
         self._rebase_onto(frag, ours, self.state.pin(new))
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new

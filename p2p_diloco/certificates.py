@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from p2p_diloco.outer import is_sha256
+
 if TYPE_CHECKING:  # the round imports this module; the math stays free of hivemind (crypto: on use)
     from hivemind.utils.crypto import RSAPrivateKey
 
@@ -32,11 +34,6 @@ MAX_SIGNATURES = 64
 MAX_CONTRIBUTORS = 256
 _MAX_KEY_BYTES = 2048
 _MAX_SIG_BYTES = 2048
-_MAX_SHA = 64
-
-
-def _is_sha(value: object) -> bool:
-    return isinstance(value, str) and len(value) == _MAX_SHA and all(c in "0123456789abcdef" for c in value)
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ class Commit:
             raise ValueError(f"bad fragment {fragment!r}")
         if not (isinstance(version, int) and 0 < version < 2**40):
             raise ValueError(f"bad version {version!r}")
-        if not _is_sha(sha) or not (parent == "" or _is_sha(parent)):
+        if not is_sha256(sha) or not (parent == "" or is_sha256(parent)):
             raise ValueError("bad sha256")
         if not (isinstance(contributors, list) and len(contributors) <= MAX_CONTRIBUTORS
                 and all(isinstance(p, str) and 0 < len(p) <= 128 for p in contributors)):

@@ -24,7 +24,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from p2p_diloco.admission import Admission, gated_p2p
 from p2p_diloco.errors import LearnerError
-from p2p_diloco.signed_records import OwnedRecords, owner_marker, record_validators
+from p2p_diloco.signed_records import IdentityKey, OwnedRecords, owner_marker
 
 _PR_SET_PDEATHSIG = 1
 _ALIVE_CHECK_SECONDS = 1.0
@@ -157,7 +157,7 @@ def start_dht(
     wait: bool = True,
     what: str = "DHT",
     admission: Admission | None = None,
-    signing: Path | None = None,
+    signing: IdentityKey | None = None,
     client_mode: bool = False,
 ) -> LinkedDHT:
     """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
@@ -167,15 +167,14 @@ def start_dht(
     (a malformed multiaddr, a port in use, p2pd not starting in ``startup_timeout`` seconds) becomes
     one :class:`LearnerError` line naming ``what`` was being started. ``admission``: who may call this
     peer (default: everyone). ``client_mode``: a light client, which asks and stores nothing for others.
-    ``signing``: the identity file whose key signs this peer's records; with
-    it, records of others are validated (:mod:`p2p_diloco.signed_records`, :meth:`LinkedDHT.protect`).
+    ``signing``: the identity key that signs this peer's records (hivemind's ``RSASignatureValidator``);
+    with it, records of others are validated too (:class:`OwnedRecords`, :meth:`LinkedDHT.protect`).
     """
     validators: list[Any] = []
     owned, owner = None, b""
     if signing is not None:
-        validators = record_validators(signing)
-        owned = next(v for v in validators if isinstance(v, OwnedRecords))
-        owner = next(owner_marker(v) for v in validators if isinstance(v, RSASignatureValidator))
+        signer, owned = RSASignatureValidator(signing), OwnedRecords()
+        validators, owner = [signer, owned], owner_marker(signer)
     try:
         return LinkedDHT(
             initial_peers=list(initial_peers) or None,

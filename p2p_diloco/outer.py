@@ -176,6 +176,11 @@ def _cert_version(certificate: dict[str, Any]) -> int:
     return version if isinstance(version, int) else -1
 
 
+def is_sha256(value: object) -> bool:
+    """Whether ``value`` is a hash as :func:`state_sha256` writes it (64 lowercase hex digits): for input from peers."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def state_sha256(
     tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool, tokens: int = 0
 ) -> str:

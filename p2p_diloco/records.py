@@ -23,6 +23,7 @@ import msgpack
 from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 
+from p2p_diloco.outer import is_sha256
 from p2p_diloco.signed_records import peer_id_of_owner
 
 logger = get_logger(__name__)
@@ -36,10 +37,6 @@ _LINEAGE_RE = re.compile(r"[A-Za-z0-9_\-]{1,128}")
 
 class RecordError(ValueError):
     """A progress record from a peer is malformed; the reader drops it."""
-
-
-def _is_sha(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ class ProgressRecord:
         status, wall = obj.get("status", "training"), obj.get("wall_time", 0.0)
         if not (isinstance(version, int) and 0 <= version < 2**40):
             raise RecordError(f"bad version {version!r}")
-        if not _is_sha(sha):
+        if not is_sha256(sha):
             raise RecordError("bad sha256")
         if not (isinstance(tokens, int) and tokens >= 0):
             raise RecordError(f"bad tokens {tokens!r}")
@@ -108,9 +105,9 @@ class ProgressRecord:
         ):
             raise RecordError("bad versions")
         shas = obj.get("shas", [])
-        if not (isinstance(shas, list) and len(shas) == len(versions) and all(_is_sha(h) for h in shas)):
+        if not (isinstance(shas, list) and len(shas) == len(versions) and all(is_sha256(h) for h in shas)):
             raise RecordError("bad shas")
-        assert isinstance(sha, str)  # checked by _is_sha above
+        assert isinstance(sha, str)  # checked by is_sha256 above
         return cls(version=version, sha256=sha, tokens=tokens, status=status, wall_time=float(wall),
                    versions=tuple(versions), shas=tuple(shas), **_resources(obj))
 
@@ -145,11 +142,11 @@ def _resources(obj: dict) -> dict:
 class ProgressBoard:
     """Publish this learner's record and read everyone's."""
 
-    def __init__(self, dht: DHT, run_id: str, ttl: float, owner: bytes, index: LineageIndex | None = None):
+    def __init__(self, dht: DHT, lineage: str, ttl: float, owner: bytes, index: LineageIndex | None = None):
         """``owner``: this learner's subkey, its public key marker (``signed_records.owner_marker``).
-        ``index``: the run's lineage index, refreshed with each record (``run_id`` is then the lineage)."""
-        self.dht, self.key, self.ttl = dht, progress_key(run_id), ttl
-        self._peer_key, self._index, self._lineage = owner, index, run_id
+        ``index``: the run's lineage index, where ``lineage`` is refreshed with each record."""
+        self.dht, self.key, self.ttl = dht, progress_key(lineage), ttl
+        self._peer_key, self._index, self._lineage = owner, index, lineage
 
     def publish(self, record: ProgressRecord) -> bool:
         """Store ``record``, stamped with the wall time, under our subkey for ``ttl`` seconds.

@@ -119,7 +119,3 @@ class OwnedRecords(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
 
-
-def record_validators(identity_path: str | Path) -> list[RecordValidatorBase]:
-    """The validators of a peer's DHT: hivemind's signatures, with its identity key; :class:`OwnedRecords`."""
-    return [RSASignatureValidator(IdentityKey.load(identity_path)), OwnedRecords()]

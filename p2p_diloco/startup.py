@@ -250,9 +250,10 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     identity = ckpt_dir / "identity.key"
     peer_id_of(identity)  # made here if missing: it signs our records from the DHT's start on
     admit_self(admission, identity)
+    key = IdentityKey.load(identity)  # signs records, commits and the audit log
     dht = start_dht(initial_peers=net.initial_peers, host_maddrs=net.host_maddrs,
                     announce_maddrs=net.announce_maddrs, identity_path=identity,
-                    startup_timeout=net.startup_timeout, wait=False, admission=admission, signing=identity)
+                    startup_timeout=net.startup_timeout, wait=False, admission=admission, signing=key)
     closer.callback(dht.shutdown)
     local_work = time.monotonic()
     data = load_data(cfg, cfg.data.shard_index, tokenizer) if cfg.data.shard_index is not None else None
@@ -277,7 +278,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     if cursor is not None:
         data.sampler.cursor = cursor
     logger.info(f"checkpoints in {ckpt_dir}; data shard {data.shard}/{cfg.data.num_shards}")
-    audit = Audit.open(ckpt_dir, IdentityKey.load(identity), state.peer_id, cfg.run.audit_sign_every, lineage=lineage,
+    audit = Audit.open(ckpt_dir, key, state.peer_id, cfg.run.audit_sign_every, lineage=lineage,
                        shard=data.shard, versions=[s.version for s in state.states], checkpoint=payload is not None)
     closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
@@ -288,8 +289,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
     writer = CheckpointWriter(ckpt_dir)
     closer.callback(writer.close, timeout=120)  # a snapshot still waiting is written before the lock goes
-    board = CommitBoard(dht, lineage, IdentityKey.load(ckpt_dir / "identity.key"), cfg.averaging.min_group_size,
-                        timeout=cfg.averaging.certify_timeout)
+    board = CommitBoard(dht, lineage, key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout)
     verifier = Verifier(lineage, cfg.averaging.min_group_size, admission.allowed)
     catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving, verifier=verifier, certifier=board,
                        audit=audit)

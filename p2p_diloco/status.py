@@ -117,12 +117,14 @@ def run_status(initial_peers: Sequence[str], run_id: str, watch: bool = False, a
             handler.setStream(sys.stderr)
     from p2p_diloco.admission import peer_id_of
     from p2p_diloco.lifecycle import start_dht
+    from p2p_diloco.signed_records import IdentityKey
 
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-status-") as tmp:
         key = Path(identity) if identity else Path(tmp) / "identity.key"
         peer_id_of(key)  # made if missing: hivemind's validators strip (and check) the records' signatures with it
         dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/0.0.0.0/tcp/0"], announce_maddrs=[],
-                        identity_path=key, startup_timeout=timeout, what="DHT (as a status client)", signing=key,
+                        identity_path=key, startup_timeout=timeout, what="DHT (as a status client)",
+                        signing=IdentityKey.load(key),
                         client_mode=True)
         try:
             return _show(dht, run_id, watch, as_json, interval)

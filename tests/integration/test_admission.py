@@ -119,7 +119,8 @@ def test_records_are_signed_and_forgeries_never_reach_a_reader(tmp_path):
             peer_id_of(identity)
             members.append(start_dht(initial_peers=[str(a) for m in members[:1] for a in m.get_visible_maddrs()],
                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
-                                     identity_path=identity, startup_timeout=30, signing=identity))
+                                     identity_path=identity, startup_timeout=30,
+                                     signing=IdentityKey.load(identity)))
             started.append(members[-1])
             members[-1].protect([key])
         boards = [ProgressBoard(m, "lin", 60.0, m.owner) for m in members]

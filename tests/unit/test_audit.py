@@ -56,25 +56,28 @@ def test_a_chain_with_signed_heads_verifies(tmp_path, keys):
     assert chain.peer_id == peer and chain.heads == 3 and chain.signed_through == len(entries)
 
 
-@pytest.mark.parametrize("line", [2, 5, 8])
-def test_an_edited_line_is_named(tmp_path, keys, line):
+def _edited(tmp_path: Path, keys, n: int, edit) -> Path:
+    """A signed log whose line ``n`` (0-based) went through ``edit`` (bytes → bytes)."""
     key, peer = keys[0]
     path = _log(tmp_path / "a", key, peer)
     lines = _lines(path)
-    lines[line - 1] = lines[line - 1].replace(b'"time":', b'"time":1')
+    lines[n] = edit(lines[n])
     _write(path, lines)
+    return path
+
+
+@pytest.mark.parametrize("line", [2, 5, 8])
+def test_an_edited_line_is_named(tmp_path, keys, line):
+    path = _edited(tmp_path, keys, line - 1, lambda raw: raw.replace(b'"time":', b'"time":1'))
     with pytest.raises(Inconsistent, match=rf"{FILENAME}:{line}: changed after it was written"):
         read_chain(path)
 
 
 def test_an_edited_prev_is_named(tmp_path, keys):
-    key, peer = keys[0]
-    path = _log(tmp_path / "a", key, peer)
-    lines = _lines(path)
-    entry = json.loads(lines[3])
-    entry["prev"] = "f" * 64
-    lines[3] = json.dumps(entry, separators=(",", ":")).encode()
-    _write(path, lines)
+    def new_prev(raw: bytes) -> bytes:
+        return json.dumps({**json.loads(raw), "prev": "f" * 64}, separators=(",", ":")).encode()
+
+    path = _edited(tmp_path, keys, 3, new_prev)
     with pytest.raises(Inconsistent, match=rf"{FILENAME}:4: changed"):
         read_chain(path)
 

@@ -7,17 +7,24 @@ states its victims hold (``lie at round 2 with ahead|state``, p2p_diloco/faults.
 learners must keep committing, end on one state, never take the poisoned one, and say why.
 """
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from p2p_diloco.admission import peer_id_of
+from p2p_diloco.audit import FILENAME
 
 from .test_swarm import _assert_one_lineage
 
 pytestmark = pytest.mark.integration
 
 TARGET = 5
+
+
+def _audit_events(ckpt: Path) -> list[dict]:
+    return [json.loads(line) for line in (ckpt / FILENAME).read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.timeout(300)
@@ -33,7 +40,13 @@ def test_honest_learners_are_not_fooled_by_a_lying_member(swarm, lie):
     for s in summaries:
         assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, s
     texts = [p.text() for p in honest]
-    assert not any("synced global state" in t and f"from {liar_id}" in t for t in texts)
+    # Every state an honest learner downloaded or took is one an honest learner committed: the liar may
+    # have served its real state before round 2, never the poisoned one.
+    logs = [_audit_events(swarm.tmp / f"ckpt-{i}") for i in range(3)]
+    committed = {e[k] for log in logs for e in log if e["event"] == "committed" for k in ("sha_before", "sha_after")}
+    taken = [e["sha"] for log in logs for e in log if e["event"] in ("adopted", "merged")]
+    taken += [sha for log in logs for e in log if e["event"] == "downloaded" for _, sha in e["fragments"].values()]
+    assert committed and set(taken) <= committed, (set(taken) - committed, texts)
     if lie == "state":
         refusals = [t for t in texts if f"rejected state from {liar_id}: fragment 0 version" in t]
     else:

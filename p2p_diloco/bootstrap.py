@@ -118,6 +118,9 @@ def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
 
 
 def run_bootstrap(cfg: BootstrapConfig) -> None:
-    """Run a bootstrap node until SIGINT or SIGTERM."""
+    """Run a bootstrap node until SIGINT or SIGTERM; it answers learners' reachability questions."""
+    from p2p_diloco.reach import serve_checks
+
     dht = start_bootstrap_dht(cfg)
+    serve_checks(dht)
     uvloop.run(BootstrapNode(cfg).serve(dht))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from p2p_diloco.errors import UserError
 
@@ -194,6 +194,19 @@ class NetworkConfig(_Section):
     startup_timeout: float = Field(60.0, gt=0.0, description="seconds p2pd may take to start")
     record_ttl: float = Field(30.0, gt=1.0, le=600.0,
                               description="lifetime of this learner's progress record in the DHT")
+    client_mode: Literal["auto"] | bool = Field(
+        "auto", description="auto: probe whether peers can dial this learner and run as a client if they cannot; "
+                            "true: always a client (sends its part, never reduces or serves state); false: never")
+
+    @field_validator("client_mode", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, v: Any) -> Any:
+        if v in ("auto", True, False, "true", "false"):
+            return v if v == "auto" or isinstance(v, bool) else v == "true"
+        raise ValueError(f"must be auto, true or false, not {v!r}")
+
+    use_relay: bool = Field(True, description="libp2p circuit relay: dial and be dialled through relays")
+    use_auto_relay: bool = Field(False, description="look for relays to become reachable behind NAT (p2pd's autorelay)")
     allowed_peers: str | None = Field(
         None, description="a private swarm: file of the peer IDs (one a line, the bootstrap node's too) that may "
                           "call this learner; everyone else is refused (p2p-diloco peer-id prints a peer's ID)")

@@ -64,6 +64,8 @@ class HivemindAveraging:
     faults: FaultPlan | None = None
     # Set when the learner is asked to stop: matchmaking in progress is abandoned.
     should_stop: Callable[[], bool] = lambda: False
+    # Behind NAT (p2p_diloco.reach): send parts and receive results, never reduce, lead or serve state.
+    client_mode: bool = False
     _buffers: list[torch.Tensor] = field(init=False)
     _averager: OuterGradientAverager = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # one round at a time
@@ -101,7 +103,8 @@ class HivemindAveraging:
             allreduce_timeout=self.cfg.allreduce_timeout,
             next_chunk_timeout=self.cfg.next_chunk_timeout,
             state_compression=NoCompression(),
-            allow_state_sharing=True,
+            client_mode=self.client_mode,
+            allow_state_sharing=not self.client_mode,
             declare_state_period=10.0,
             shutdown_timeout=5.0,
         )
@@ -114,8 +117,9 @@ class HivemindAveraging:
         return str(self.dht.peer_id)
 
     def set_state_priority(self, version: int) -> None:
-        """Peers that download state try the highest priority first: the newest version."""
-        self._averager.state_sharing_priority = float(version)
+        """Peers that download state try the highest priority first: the newest version (a client serves none)."""
+        if not self.client_mode:
+            self._averager.state_sharing_priority = float(version)
 
     def average(
         self,

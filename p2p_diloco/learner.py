@@ -88,8 +88,11 @@ class Learner:
             p.metrics.update(p.state)
             if self.finished():
                 p.progress.publish("done")
-                logger.info(f"reached version {p.state.version}; serving state to learners still behind")
-                linger(self.leaving, p.progress, p.state.version, self.cfg.run.linger_seconds)
+                if p.averaging.client_mode:
+                    logger.info(f"reached version {p.state.version}; a client serves no state: leaving")
+                else:
+                    logger.info(f"reached version {p.state.version}; serving state to learners still behind")
+                    linger(self.leaving, p.progress, p.state.version, self.cfg.run.linger_seconds)
             return self.summary()
         finally:
             self._shutdown()

@@ -159,6 +159,8 @@ def start_dht(
     admission: Admission | None = None,
     signing: IdentityKey | None = None,
     client_mode: bool = False,
+    use_relay: bool = True,
+    use_auto_relay: bool = False,
 ) -> LinkedDHT:
     """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
 
@@ -167,6 +169,7 @@ def start_dht(
     (a malformed multiaddr, a port in use, p2pd not starting in ``startup_timeout`` seconds) becomes
     one :class:`LearnerError` line naming ``what`` was being started. ``admission``: who may call this
     peer (default: everyone). ``client_mode``: a light client, which asks and stores nothing for others.
+    ``use_relay`` and ``use_auto_relay``: p2pd's circuit relay and its search for relays behind NAT.
     ``signing``: the identity key that signs this peer's records (hivemind's ``RSASignatureValidator``);
     with it, records of others are validated too (:class:`OwnedRecords`, :meth:`LinkedDHT.protect`).
     """
@@ -189,6 +192,8 @@ def start_dht(
             owner=owner,
             record_validators=validators,
             client_mode=client_mode,
+            use_relay=use_relay,
+            use_auto_relay=use_auto_relay,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
         raise _start_error(what, e) from None

@@ -112,9 +112,11 @@ class Metrics:
         self._group.set(out.group_size)
 
 
-def resources(trainer: Trainer, counters: Counters, started: float, metrics: Metrics) -> dict[str, Any]:
+def resources(trainer: Trainer, counters: Counters, started: float, metrics: Metrics,
+              reach: str = "") -> dict[str, Any]:
     """The resource fields of this learner's progress record (:class:`~p2p_diloco.records.ProgressRecord`):
-    its hardware, throughput, contribution, traffic and uptime (``started``: its ``time.monotonic()`` at start)."""
+    its hardware, throughput, contribution, traffic and uptime (``started``: its ``time.monotonic()`` at start),
+    and how peers reach it (``reach``: a :class:`~p2p_diloco.reach.Reach`'s ``record_value``)."""
     c, placement = counters, trainer.placement
     fragments = max(1, len(c.tokens_since_merge))
     busy = c.compute_seconds + c.wait_seconds
@@ -124,5 +126,5 @@ def resources(trainer: Trainer, counters: Counters, started: float, metrics: Met
         "device_kind": placement.device.type, "device_name": placement.name[:128], "workers": trainer.workers,
         "cpu_cores": os.cpu_count() or 0, "tokens_per_second": c.tokens / busy if busy > 0 else 0.0,
         "tokens_contributed": max(0, round(c.tokens - sum(c.tokens_since_merge) / fragments)),
-        "bytes_sent": c.bytes_sent, "uptime": time.monotonic() - started, "eval_loss": loss,
+        "bytes_sent": c.bytes_sent, "uptime": time.monotonic() - started, "eval_loss": loss, "reach": reach,
     }

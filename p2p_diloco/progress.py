@@ -31,6 +31,8 @@ class Progress:
         self.faults: FaultPlan | None = None  # a test's plan: "lie ... with ahead" forges our record
         self.resources: Callable[[], dict[str, Any]] = dict  # the record's resource fields (metrics.resources)
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
+        self.client = False  # we average as a client (p2p_diloco.reach): a group needs a reachable member
+        self._only_clients = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -87,6 +89,19 @@ class Progress:
         while not self._stop.wait(self.period):
             self.publish()
             self._seen = self.board.read()  # leaves `stale` to the training thread
+            if self.client:
+                self._say_if_only_clients(self._seen)
+
+    def _say_if_only_clients(self, records: dict[str, ProgressRecord]) -> None:
+        """One line when every other live learner is a client too (no group can form), one when that ends."""
+        live = [r for p, r in records.items() if p != self.state.peer_id and r.status != "left"]
+        only = bool(live) and all(r.reach == "client" for r in live)
+        if only and not self._only_clients:
+            logger.warning(f"only client-mode learners are visible ({len(live)}): a group needs a reachable member "
+                           "to lead and reduce; no round can form until one joins")
+        elif self._only_clients and not only:
+            logger.info("a reachable learner is visible again")
+        self._only_clients = only
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the heartbeat and wait up to ``timeout`` seconds for its thread."""

@@ -61,6 +61,7 @@ class ProgressRecord:
     bytes_sent: int = 0  # by its rounds
     uptime: float = 0.0  # seconds since it started
     eval_loss: float | None = None  # its last eval of its local model
+    reach: str = ""  # how peers reach it: direct, relay or client (p2p_diloco.reach); "" unknown
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
@@ -112,6 +113,9 @@ class ProgressRecord:
                    versions=tuple(versions), shas=tuple(shas), **_resources(obj))
 
 
+_REACH = ("", "direct", "relay", "client")
+
+
 def _resources(obj: dict) -> dict:
     """The resource fields of a record's map, checked; absent ones take their defaults."""
     out: dict = {}
@@ -136,6 +140,10 @@ def _resources(obj: dict) -> dict:
                                  and math.isfinite(loss) and 0 <= loss < 1e6):
         raise RecordError(f"bad eval_loss {loss!r}")
     out["eval_loss"] = None if loss is None else float(loss)
+    reach = obj.get("reach", "")
+    if reach not in _REACH:
+        raise RecordError(f"bad reach {reach!r}")
+    out["reach"] = reach
     return out
 
 

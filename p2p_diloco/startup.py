@@ -8,6 +8,7 @@ before a failure is shut down again before the error reaches the caller.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -34,7 +35,7 @@ from p2p_diloco.checkpoint import (
     save_model_files,
 )
 from p2p_diloco.commit_board import CommitBoard
-from p2p_diloco.config import ConfigError, LearnerConfig, ModelConfig
+from p2p_diloco.config import ConfigError, LearnerConfig, ModelConfig, NetworkConfig
 from p2p_diloco.data import BatchSampler, DataError, fixed_eval_batches, load_splits, shard_for_peer
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan, forged_states
@@ -48,6 +49,8 @@ from p2p_diloco.models import build_model, embedding_names, model_config_json, n
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
+from p2p_diloco.reach import CLIENT, DIRECT, Reach, serve_checks
+from p2p_diloco.reach import check as check_reach
 from p2p_diloco.records import LineageIndex, ProgressBoard, lineages_key, progress_key
 from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
@@ -251,10 +254,12 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     peer_id_of(identity)  # made here if missing: it signs our records from the DHT's start on
     admit_self(admission, identity)
     key = IdentityKey.load(identity)  # signs records, commits and the audit log
-    dht = start_dht(initial_peers=net.initial_peers, host_maddrs=net.host_maddrs,
-                    announce_maddrs=net.announce_maddrs, identity_path=identity,
-                    startup_timeout=net.startup_timeout, wait=False, admission=admission, signing=key)
-    closer.callback(dht.shutdown)
+    start = functools.partial(start_dht, initial_peers=net.initial_peers, host_maddrs=net.host_maddrs,
+                              announce_maddrs=net.announce_maddrs, identity_path=identity,
+                              startup_timeout=net.startup_timeout, admission=admission, signing=key,
+                              use_relay=net.use_relay, use_auto_relay=net.use_auto_relay)
+    dhts = [start(wait=False, client_mode=net.client_mode is True)]
+    closer.callback(lambda: dhts[-1].shutdown())  # the one running: a client's DHT is started again
     local_work = time.monotonic()
     data = load_data(cfg, cfg.data.shard_index, tokenizer) if cfg.data.shard_index is not None else None
     trainer, state = build(cfg, tokenizer)
@@ -266,10 +271,12 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     state.refresh_served()
     local_work = time.monotonic() - local_work
     waited = time.monotonic()
+    dht, reach = _reach(net, dhts, start)
     lineage, progress = _join(cfg, dht, state, payload, lineage_id(cfg, trainer.model_files, tokenizer.fingerprint))
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
-    progress.resources = lambda: resources(trainer, state.counters, began, metrics)
+    progress.client = reach.client
+    progress.resources = lambda: resources(trainer, state.counters, began, metrics, reach.record_value)
     metrics.describe(run_id=cfg.network.run_id, lineage=lineage, peer_id=state.peer_id, version=__version__,
                      codec=",".join(sorted({cfg.codec_for(f) for f in range(cfg.sync.fragments)})))
     waited = time.monotonic() - waited
@@ -284,7 +291,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
     averager = time.monotonic()
-    averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults)
+    averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client)
     closer.callback(averaging.shutdown)
     # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
     writer = CheckpointWriter(ckpt_dir)
@@ -317,7 +324,7 @@ def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
 
 
 def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: LearnerState, progress: Progress,
-                     leaving: Leaving, faults: FaultPlan) -> HivemindAveraging:
+                     leaving: Leaving, faults: FaultPlan, client: bool) -> HivemindAveraging:
     state.served.on_serve = lambda: faults.fire("serve", state.version)
     if any(f.action == "lie" and f.mode == "state" for f in faults.faults):
         state.served.forge = lambda states: forged_states(states) if faults.lying("state", state.version + 1) \
@@ -327,10 +334,33 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: Le
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         fragments=parameter_indices([len(s.params) for s in state.states]),
-        codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults,
+        codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults, client_mode=client,
     )
     averaging.set_state_priority(state.version)
     return averaging
+
+
+def _reach(net: NetworkConfig, dhts: list[LinkedDHT], start: Callable[..., LinkedDHT]) -> tuple[LinkedDHT, Reach]:
+    """Whether peers can dial us (p2p_diloco.reach), decided once the DHT has joined; a learner they cannot
+    dial starts its DHT again in client mode (``dhts`` gets the new one). One log line says which."""
+    dht = dhts[-1]
+    wait_until_joined(dht)
+    if net.client_mode is True:
+        found = Reach(CLIENT, "network.client_mode = true")
+    elif net.client_mode is False:
+        found = Reach(DIRECT, "network.client_mode = false, not checked")
+    else:
+        found = check_reach(dht, net.initial_peers, relay_wait=30.0 if net.use_auto_relay else 0.0)
+    if found.dht_client and not dht.client_mode:
+        dht.shutdown()
+        dhts.append(start(wait=True, client_mode=True))
+        dht = dhts[-1]
+    if not found.client:
+        serve_checks(dht)  # we can be dialled: answer others' questions
+    logger.info(f"reachable: {found.mode} ({found.how})" + (
+        "; averaging as a client: sends its part and receives the results, never reduces or serves state"
+        if found.client else ""))
+    return dht, found
 
 
 def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict[str, Any] | None,

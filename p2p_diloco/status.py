@@ -50,7 +50,7 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
                 "tokens_contributed": r.tokens_contributed,
                 "share": r.tokens_contributed / merged if merged > 0 else 0.0,
                 "bytes_sent": r.bytes_sent, "uptime": r.uptime, "eval_loss": r.eval_loss,
-                "age": max(0.0, now - r.wall_time),
+                "age": max(0.0, now - r.wall_time), "reach": r.reach,
             })
         live = [r for r in records.values() if r.status != "left" and r.sha256 != _NO_STATE]
         fragments = []
@@ -76,7 +76,7 @@ def render(doc: Mapping[str, Any]) -> Group:
         parts.append(Text(f"run {doc['run_id']}: no learners found (yet)", style="yellow"))
     for lineage, lin in doc["lineages"].items():
         table = Table(title=f"run {doc['run_id']} · lineage {lineage}", title_justify="left")
-        for col in ("learner", "status", "hardware", "versions", "sha", "tokens/s", "contributed", "share",
+        for col in ("learner", "status", "reach", "hardware", "versions", "sha", "tokens/s", "contributed", "share",
                     "eval loss", "age"):
             table.add_column(col, justify="right" if col in ("tokens/s", "contributed", "share", "eval loss", "age")
                              else "left")
@@ -86,7 +86,7 @@ def render(doc: Mapping[str, Any]) -> Group:
             hardware += f", {row['cpu_cores']} cores" if row["cpu_cores"] else ""
             loss, versions = row["eval_loss"], "/".join(map(str, row["versions"])) or str(row["version"])
             table.add_row(
-                row["peer_id"][-8:], row["status"], hardware, versions,
+                row["peer_id"][-8:], row["status"], row["reach"] or "?", hardware, versions,
                 row["sha256"][:8], f"{row['tokens_per_second']:,.0f}", f"{row['tokens_contributed']:,}",
                 f"{row['share']:.0%}", "-" if loss is None else f"{loss:.4f}", f"{row['age']:.0f}s",
             )

@@ -11,7 +11,7 @@ BASE = {"version": 2, "sha256": "a" * 64, "tokens": 10, "versions": [2], "shas":
 def test_resource_fields_roundtrip():
     r = ProgressRecord(2, "a" * 64, 10, versions=(2,), shas=("a" * 64,), device_kind="cuda",
                        device_name="cuda:0 (NVIDIA H200)", workers=8, cpu_cores=16, tokens_per_second=1234.5,
-                       tokens_contributed=777, bytes_sent=10**9, uptime=3600.0, eval_loss=2.5)
+                       tokens_contributed=777, bytes_sent=10**9, uptime=3600.0, eval_loss=2.5, reach="client")
     assert ProgressRecord.decode(r.encode()) == r
 
 
@@ -23,6 +23,8 @@ def test_a_record_of_an_older_version_takes_the_defaults():
 @pytest.mark.parametrize("field", [
     {"device_name": "x" * 129},
     {"device_kind": 3},
+    {"reach": "everywhere"},
+    {"reach": 1},
     {"device_name": "evil\x1b[2J"},  # terminal escapes are refused: status prints these names
     {"workers": -1},
     {"workers": True},

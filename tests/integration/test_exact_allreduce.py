@@ -31,13 +31,16 @@ def group():
                           round_timeout=20.0)
     template = [torch.zeros(300, 37), torch.zeros(5), torch.zeros(1000)]
     fragments = [(0,), (1, 2)]
+    # The third member is a client (as behind NAT): it sends its part and receives the average, reduces nothing.
     dhts = [hivemind.DHT(start=True)]
-    dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(2)]
+    dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, client_mode=client)
+             for client in (False, True)]
     averagers = {}
     try:
         for codec in TOLERANCE:
             averagers[codec] = [
-                HivemindAveraging(d, template, cfg, prefix=f"t{codec}", fragments=fragments, codecs=[codec] * 2)
+                HivemindAveraging(d, template, cfg, prefix=f"t{codec}", fragments=fragments, codecs=[codec] * 2,
+                                  client_mode=d.client_mode)
                 for d in dhts
             ]
         yield template, fragments, averagers
@@ -78,7 +81,7 @@ def test_members_receive_identical_weighted_average(group, codec):
 def test_fragment_download_carries_only_the_fragments_asked_for(group):
     template, fragments, _ = group
     dhts = [hivemind.DHT(start=True)]
-    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, client_mode=True))
     cfg = AveragingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0, request_timeout=1.0)
     g = torch.Generator().manual_seed(3)
     # Served layout: for each fragment, its parameters then its momentum buffers.
@@ -86,7 +89,7 @@ def test_fragment_download_carries_only_the_fragments_asked_for(group):
     meta = {"versions": [4, 9]}
     server = HivemindAveraging(dhts[0], template, cfg, prefix="dl", fragments=fragments,
                                state_provider=lambda: (meta, served))
-    client = HivemindAveraging(dhts[1], template, cfg, prefix="dl", fragments=fragments)
+    client = HivemindAveraging(dhts[1], template, cfg, prefix="dl", fragments=fragments, client_mode=True)
     try:
         for wanted, expect in (([1], served[2:]), ([0], served[:2]), (None, served)):
             loaded = client.download_state_from(server.peer_id, timeout=20.0, fragments=wanted)
@@ -143,7 +146,7 @@ def test_a_groupmate_that_never_joined_the_group_fails_the_round_at_once():
                           round_timeout=30.0, next_chunk_timeout=60.0)
     template = [torch.zeros(1000, 300)]
     dhts = [hivemind.DHT(start=True)]
-    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, client_mode=True))
     searcher = HivemindAveraging(dhts[1], template, cfg, prefix="ghost")
     other = OuterGradientAverager(
         [torch.zeros(1000, 300)], dhts[0], fragments=[(0,)], codecs=[get_codec("none")], start=True, prefix="ghost",

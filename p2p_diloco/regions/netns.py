@@ -6,6 +6,11 @@ Layout built by :class:`Fabric` for a topology (every box is a network namespace
         └─veth─ gateway ns of the region: bridge br0 (.2 of the subnet), IP forwarding on
                     └─ wan0 ══ shaped veth ══ gw-<region> on the backbone ns's bridge br0 (all gateways)
 
+A region with ``nat = true`` is behind NAT: its gateway rewrites the source of every connection
+leaving the region to the gateway's backbone address and drops every new connection arriving from
+the backbone (``iptables``, or ``nft`` where iptables is missing; see :func:`nat_commands`), and no
+other gateway has a route to its subnet. Its hosts can dial out; nobody outside can dial them.
+
 Intra-region traffic stays on the region's bridge, unshaped. Traffic between regions crosses two
 WAN links: the sender region's (``wan0`` egress: its upload) and the receiver region's (the backbone
 end's egress: its download). Each end carries ``tbf`` at the region's rate and, where the kernel has
@@ -72,6 +77,63 @@ def check_available() -> None:
     if r.returncode != 0:
         raise NetnsUnavailable(f"cannot create a network namespace here: {' '.join(r.stderr.split())}")
     sh("ip", "netns", "del", probe, check=False)
+
+
+NAT_TOOLS = ("iptables", "nft")
+
+
+def nat_tool() -> str:
+    """The firewall command NAT'd regions are built with: ``iptables`` (either backend), else ``nft``.
+
+    Raises :class:`NetnsUnavailable` (one line, naming the package) when neither is installed.
+    """
+    for tool in NAT_TOOLS:
+        if shutil.which(tool) is not None:
+            return tool
+    raise NetnsUnavailable("a region with nat = true needs the `iptables` command (install the iptables package; "
+                           "`nft` from nftables works too)")
+
+
+def nat_commands(tool: str, subnet: ipaddress.IPv4Network, wan_dev: str,
+                 public: ipaddress.IPv4Address) -> list[list[str]]:
+    """Commands (``tool`` and its arguments) that put a gateway's region behind NAT.
+
+    Connections leaving ``subnet`` through ``wan_dev`` get source address ``public`` (the gateway's
+    backbone address); from ``wan_dev``, only packets of connections opened from inside pass (into the
+    region or to the gateway itself): a new connection from the backbone is dropped without an answer,
+    as home routers and cloud NAT gateways do.
+    """
+    if tool == "iptables":
+        ipt = ["iptables", "-w"]
+        return [
+            [*ipt, "-t", "nat", "-A", "POSTROUTING", "-s", str(subnet), "-o", wan_dev, "-j", "SNAT",
+             "--to-source", str(public)],
+            *([*ipt, "-A", chain, "-i", wan_dev, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+              for chain in ("FORWARD", "INPUT")),
+            *([*ipt, "-A", chain, "-i", wan_dev, "-j", "DROP"] for chain in ("FORWARD", "INPUT")),
+        ]
+    if tool == "nft":
+        table = ["ip", "p2pdnat"]
+        cmds = [["nft", "add", "table", *table],
+                ["nft", "add", "chain", *table, "outgoing",
+                 "{", "type", "nat", "hook", "postrouting", "priority", "100", ";", "}"],
+                ["nft", "add", "rule", *table, "outgoing",
+                 "oifname", wan_dev, "ip", "saddr", str(subnet), "snat", "to", str(public)]]
+        for chain, hook in (("forwarded", "forward"), ("incoming", "input")):
+            cmds += [["nft", "add", "chain", *table, chain,
+                      "{", "type", "filter", "hook", hook, "priority", "0", ";", "policy", "accept", ";", "}"],
+                     ["nft", "add", "rule", *table, chain, "iifname", wan_dev, "ct", "state", "established,related",
+                      "accept"],
+                     ["nft", "add", "rule", *table, chain, "iifname", wan_dev, "drop"]]
+        return cmds
+    raise ValueError(f"unknown NAT tool {tool!r}: one of {NAT_TOOLS}")
+
+
+def gateway_routes(topo: Topology, region: str) -> list[tuple[ipaddress.IPv4Network, ipaddress.IPv4Address]]:
+    """``(subnet, via)`` routes of ``region``'s gateway: every other region's subnet via that region's
+    backbone address, except regions behind NAT, which nobody outside can address.
+    """
+    return [(o.subnet, topo.backbone_addr(o.name)) for o in topo.regions if o.name != region and not o.nat]
 
 
 @cache
@@ -215,8 +277,12 @@ def qdisc_bytes(ns: str, dev: str) -> int:
 class Fabric:
     """The namespaces and links of one run; :meth:`teardown` removes all of them (idempotent)."""
 
-    def __init__(self, topo: Topology, prefix: str, netem: bool):
+    def __init__(self, topo: Topology, prefix: str, netem: bool, firewall: str | None = None):
         self.topo, self.prefix, self.netem = topo, prefix, netem
+        # The command NAT'd regions' gateways are built with; found (or refused) before anything is built.
+        if firewall is None and any(r.nat for r in topo.regions):
+            firewall = nat_tool()
+        self.firewall = firewall
         self.backbone_ns = f"{prefix}wan"
         self.hosts: list[Host] = []
 
@@ -242,10 +308,8 @@ class Fabric:
         for region in topo.regions:
             self._add_region(region)
         for region in topo.regions:
-            gw = self.gateway_ns(region.name)
-            for other in topo.regions:
-                if other.name != region.name:
-                    sh("ip", "-n", gw, "route", "add", str(other.subnet), "via", str(topo.backbone_addr(other.name)))
+            for subnet, via in gateway_routes(topo, region.name):
+                sh("ip", "-n", self.gateway_ns(region.name), "route", "add", str(subnet), "via", str(via))
         self.hosts = []
         self._add_host("bootstrap", topo.region(topo.bootstrap_region), topo.bootstrap_addr, 0)
         for region in topo.regions:
@@ -269,6 +333,10 @@ class Fabric:
         sh("ip", "-n", self.backbone_ns, "link", "set", self.backbone_port(region.name), "master", "br0", "up")
         # Forwarding inside the gateway namespace only (each namespace has its own copy of the sysctl).
         sh("ip", "netns", "exec", gw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        if region.nat:
+            assert self.firewall is not None  # set in __init__ when any region is NAT'd
+            for cmd in nat_commands(self.firewall, region.subnet, "wan0", topo.backbone_addr(region.name)):
+                sh("ip", "netns", "exec", gw, *cmd)
         shape(gw, "wan0", region.bandwidth, region.delay_ms, region.loss_pct, self.netem)   # upload
         shape(self.backbone_ns, self.backbone_port(region.name), region.bandwidth, region.delay_ms, 0.0,
               self.netem)  # download

@@ -91,7 +91,8 @@ def _describe(topo: Topology, netem: bool) -> list[str]:
         if conditions:
             wan += ", " + ", ".join(conditions) + ("" if netem else " (not applied: no netem)")
         boot = f", bootstrap node at {topo.bootstrap_addr}" if r.name == topo.bootstrap_region else ""
-        lines.append(f"regions: {r.name:<8} {r.subnet}  {r.learners} learners  {wan}{boot}")
+        nat = f", behind NAT (seen outside as {topo.backbone_addr(r.name)})" if r.nat else ""
+        lines.append(f"regions: {r.name:<8} {r.subnet}  {r.learners} learners  {wan}{boot}{nat}")
     return lines
 
 
@@ -107,8 +108,11 @@ def _learner_args(opts: RegionsOptions, host: Host, slot: int, bootstrap_addr: s
     ]
 
 
-def _prepare(topo: Topology) -> bool:
-    """Remove what a crashed run left, say what will be simulated; returns whether netem exists here."""
+def _prepare(topo: Topology) -> tuple[bool, str | None]:
+    """Check for the firewall command NAT'd regions need, remove what a crashed run left, say what will be
+    simulated; returns whether netem exists here and the firewall command (None without NAT'd regions).
+    """
+    firewall = netns.nat_tool() if any(r.nat for r in topo.regions) else None
     stale = netns.cleanup_stale()
     if stale:
         print(f"regions: removed {len(stale)} namespaces left by a crashed run", flush=True)
@@ -118,7 +122,7 @@ def _prepare(topo: Topology) -> bool:
               "shaping bandwidth only (tbf)", flush=True)
     for line in _describe(topo, netem):
         print(line, flush=True)
-    return netem
+    return netem, firewall
 
 
 async def run_regions(opts: RegionsOptions) -> int:
@@ -137,14 +141,14 @@ async def run_regions(opts: RegionsOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    netem = _prepare(topo)
+    netem, firewall = _prepare(topo)
 
     prefix = netns.run_prefix()
     reaper_log = (work / "reaper.log").open("ab")
     reaper = subprocess.Popen([sys.executable, "-m", "p2p_diloco.regions.reaper", str(os.getpid()), prefix],
                               stdin=subprocess.DEVNULL, stdout=reaper_log, stderr=subprocess.STDOUT,
                               start_new_session=True)
-    fabric, sup = Fabric(topo, prefix, netem), Supervisor()
+    fabric, sup = Fabric(topo, prefix, netem, firewall), Supervisor()
     learners: dict[str, asyncio.subprocess.Process] = {}
     links: dict[str, dict[str, int]] = {}
     try:

@@ -11,6 +11,7 @@ The same file drives the namespace simulator (``p2p-diloco regions``) and the ge
     bandwidth = "50mbit"   # the region's WAN link, each direction
     delay_ms = 10          # one-way, added on each direction of the WAN link (needs netem)
     loss_pct = 0.0         # on traffic leaving the region (needs netem)
+    nat = false            # true: behind NAT, its learners can dial out but cannot be dialled
 
 Addresses inside a region's subnet: ``.2`` is the region's gateway to the backbone (``.1`` is left
 to Docker's bridge), ``.10`` the bootstrap node if it lives there, and learners take addresses
@@ -58,6 +59,8 @@ class Region(_Strict):
     bandwidth: str = Field(description="WAN link rate in each direction, tc units (20mbit)")
     delay_ms: float = Field(0.0, ge=0.0, le=10_000.0, description="one-way delay per direction (netem)")
     loss_pct: float = Field(0.0, ge=0.0, lt=100.0, description="loss on traffic leaving the region (netem)")
+    nat: bool = Field(False, description="behind NAT: the gateway masquerades outgoing connections and drops "
+                                         "incoming ones, so the region's learners can dial out but not be dialled")
 
     @field_validator("bandwidth")
     @classmethod
@@ -120,6 +123,12 @@ class Topology(_Strict):
                     raise ValueError(f"subnets {a} and {b} overlap")
         if sum(r.learners for r in self.regions) < 1:
             raise ValueError("the topology has no learner")
+        if self.region(self.bootstrap_region).nat:
+            raise ValueError(f"bootstrap_region {self.bootstrap_region!r} has nat = true, but every learner must be "
+                             "able to dial the bootstrap node: put it in a region without NAT")
+        if all(r.nat for r in self.regions if r.learners > 0):
+            raise ValueError("every learner is in a region with nat = true: learners behind NAT only send their "
+                             "part, so at least one learner must be in a region without NAT to combine the parts")
         stride = self.shard_stride
         for r in self.regions:
             # Distinct shards for every learner: each region owns `stride` consecutive shards.

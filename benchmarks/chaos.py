@@ -24,6 +24,9 @@ long run); restarts after a kill still count in full. Cost per kill = (the mode'
 goodput − its goodput) × M × wall time / failures, in learner-seconds.
 
     python benchmarks/chaos.py --learners 4 --duration 150 --mtbf 60 --seed 0 --json benchmarks/results/chaos.json
+
+``--plot [PATH]`` draws each mode's learners from their audit logs (``p2p-diloco plot``); a killed and
+restarted learner is one line, its restarts visible as gaps.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ import json
 import math
 import random
 import re
+import subprocess
 import tempfile
 import time
+from datetime import date
 from pathlib import Path
 
 from p2p_diloco.local_swarm import fragment_states
@@ -181,6 +186,24 @@ def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
     }
 
 
+def figure_path(name: str) -> Path:
+    """Where ``--plot`` draws by default: benchmarks/results/NAME-DATE-COMMIT.png."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return ROOT / "benchmarks" / "results" / f"{name}-{date.today().isoformat()}-{commit or 'unknown'}.png"
+
+
+def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
+    """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
+    from p2p_diloco.plot import PlotError, plot
+
+    path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
+    try:
+        print(f"figure: {plot([run_dir], path, title=title)}", flush=True)
+    except PlotError as e:
+        print(f"no figure for {run}: {e}", flush=True)
+
+
 def eval_at_tokens(log: Path, tokens: int) -> float | None:
     """The clean run's eval loss where its global tokens first reach ``tokens`` (from its log)."""
     pattern = r"eval_loss (\d+\.\d+) .*?global_tokens (\d+)"
@@ -204,6 +227,9 @@ def main() -> None:
     ap.add_argument("--modes", default="decoupled,sync,clean,sync-clean")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
+    ap.add_argument("--plot", nargs="?", const=figure_path("chaos"), type=Path, metavar="PATH",
+                    help="draw each run's figure from its learners' audit logs (p2p_diloco.plot) to PATH-RUN.png "
+                    "(default PATH: benchmarks/results/chaos-DATE-COMMIT.png)")
     args = ap.parse_args()
     schedule = failure_schedule(args.seed, args.learners, args.mtbf, args.duration)
     print(f"failure schedule (seed {args.seed}): {[(round(t, 1), i) for t, i in schedule]}", flush=True)
@@ -215,6 +241,9 @@ def main() -> None:
             r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode)
             results.append(r)
             print(json.dumps(r), flush=True)
+            if args.plot:
+                draw(Path(tmp) / mode, args.plot, mode, f"chaos: {mode}, {args.learners} learners, "
+                     f"{r['failures']} kills in {args.duration:.0f} s (seed {args.seed})")
         by_mode = {r["mode"]: r for r in results}
         for r in results:
             free = by_mode.get(FAILURE_FREE.get(r["mode"], ""))

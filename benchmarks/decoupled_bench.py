@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import torch
@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="logs, checkpoints, summaries (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir (always kept when something failed)")
     p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--plot", nargs="?", const=figure_path("decoupled_bench"), type=Path, metavar="PATH",
+                   help="draw each swarm variant's figure from its learners' audit logs (p2p_diloco.plot) to "
+                        "PATH-VARIANT.png (default PATH: benchmarks/results/decoupled_bench-DATE-COMMIT.png)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="do not train: recompute the targets and tables from results files of earlier runs "
                         "(several files, e.g. variants run side by side, are merged and written to --json)")
@@ -532,6 +535,24 @@ def rerender(paths: list[Path], out: Path | None = None) -> int:
     return 0
 
 
+def figure_path(name: str) -> Path:
+    """Where ``--plot`` draws by default: benchmarks/results/NAME-DATE-COMMIT.png."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return ROOT / "benchmarks" / "results" / f"{name}-{date.today().isoformat()}-{commit or 'unknown'}.png"
+
+
+def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
+    """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
+    from p2p_diloco.plot import PlotError, plot
+
+    path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
+    try:
+        print(f"figure: {plot([run_dir], path, title=title)}", flush=True)
+    except PlotError as e:
+        print(f"no figure for {run}: {e}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
@@ -584,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         res["variants"]["decoupled-mixed"] = run_swarm(
             args, work, "decoupled-mixed", decoupled, {m - 1: [f"inner.extra_step_seconds={extra_sleep}"]})
 
+    if args.plot:  # dp trains in one process: no learner, no audit log
+        for name in (v for v in res["variants"] if v != "dp"):
+            draw(work / name, args.plot, name, f"decoupled_bench: {name}, M={m} H={h} N={args.outer_steps}")
     res["total_wall_seconds"] = time.perf_counter() - started
     res["targets"] = targets(res)
     table = report(res)

@@ -21,6 +21,8 @@ and the median time spent collecting commit certificates (the defence's cost in 
 
     .venv/bin/python benchmarks/poisoning.py --versions 6 --json benchmarks/results/poisoning.json
 
+``--plot [PATH]`` draws each run's learners from their audit logs (``p2p-diloco plot``).
+
 Nothing leaves 127.0.0.1; every process group is killed at the end of its run.
 """
 
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from datetime import date
 from pathlib import Path
 
 from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
@@ -106,6 +109,24 @@ def run(case: str, aggregator: str, versions: int, work: Path, timeout: float) -
     }
 
 
+def figure_path(name: str) -> Path:
+    """Where ``--plot`` draws by default: benchmarks/results/NAME-DATE-COMMIT.png."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return ROOT / "benchmarks" / "results" / f"{name}-{date.today().isoformat()}-{commit or 'unknown'}.png"
+
+
+def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
+    """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
+    from p2p_diloco.plot import PlotError, plot
+
+    path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
+    try:
+        print(f"figure: {plot([run_dir], path, title=title)}", flush=True)
+    except PlotError as e:
+        print(f"no figure for {run}: {e}", flush=True)
+
+
 def table(results: list[dict]) -> str:
     """The Markdown table of BENCHMARKS.md."""
     clean = {r["aggregator"]: r for r in results if r["case"] == "clean"}
@@ -134,14 +155,21 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     parser.add_argument("--workdir", help="keep the runs' logs here (default: a temporary directory)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", nargs="?", const=figure_path("poisoning"), type=Path, metavar="PATH",
+                        help="draw each run's figure from its learners' audit logs (p2p_diloco.plot) to PATH-RUN.png "
+                        "(default PATH: benchmarks/results/poisoning-DATE-COMMIT.png)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="poisoning-") as tmp:
         base = Path(args.workdir or tmp)
         results = []
         for aggregator in args.aggregators:
             for case in args.cases:
-                r = run(case, aggregator, args.versions, base / f"{case}-{aggregator}", args.timeout)
+                work = base / f"{case}-{aggregator}"
+                r = run(case, aggregator, args.versions, work, args.timeout)
                 print(json.dumps(r), flush=True)
+                if args.plot:
+                    draw(work, args.plot, f"{case}-{aggregator}", f"poisoning: {case} attack, {aggregator} "
+                         f"aggregator, {args.versions} versions (ckpt-3 is the attacker)")
                 results.append(r)
     print(table(results))
     if args.json:

@@ -171,6 +171,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.faults: FaultPlan = FaultPlan()  # fault injection (tests): set by the averager
         self.round = 0  # the version this round produces, for fault matching
         self.bytes_sent = 0
+        self.bytes_received = 0  # parts from senders and averaged shards from reducers, as bytes_sent counts them
         self.rejected_senders: list[str] = []
         self._open_replies = 0  # reply streams to groupmates that are still being written
         self.not_in_group: str | None = None  # a groupmate that answered it is in no such group
@@ -216,7 +217,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 return decode(msg.tensor_part)
 
             async for averaged in amap_in_executor(
-                _try_decode, aiter_with_timeout(stream, self.reducer_timeout),
+                _try_decode, self._counted(aiter_with_timeout(stream, self.reducer_timeout)),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
@@ -240,6 +241,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                     if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
                         self.all_senders_started.set()
             raise
+
+    async def _counted(self, stream):
+        # On the event loop, not in the decoding executor: every += to the byte count happens on one thread.
+        async for msg in stream:
+            self.bytes_received += msg.ByteSize()
+            yield msg
 
     async def _reduce_own_shard(self) -> None:
         peer_index = self.ordered_peer_ids.index(self.peer_id)
@@ -288,6 +295,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._open_replies += 1
         try:
             async for msg in stream:
+                self.bytes_received += msg.ByteSize()
                 try:
                     tensor_part = await loop.run_in_executor(None, decode, msg.tensor_part)
                 except Exception as e:  # noqa: BLE001 - a malformed part from a peer

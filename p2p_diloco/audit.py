@@ -2,7 +2,8 @@
 
 ``audit.jsonl`` in the learner's checkpoint directory holds one line per event (a round committed or
 failed, a state downloaded, rejected or adopted, lineages merged, a peer distrusted, the learner
-started, resumed or left, an outer step's losses and counters)::
+started, resumed or left, an outer step's losses and counters, and other learners it saw join or leave the
+swarm: ``peer_joined``, ``peer_left``, ``peer_gone``, from :class:`p2p_diloco.progress.SwarmWatch`)::
 
     {"seq": 7, "time": 1764650000.1, "event": "committed", "fragment": 0, ..., "prev": "<sha256 of line 6>"}
 
@@ -36,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 FILENAME = "audit.jsonl"
 GENESIS = "p2p-diloco audit 1"  # the "prev" of a log's first line
+PEER_EVENTS = ("joined", "left", "gone")  # what a learner saw another learner do (Audit.peer_seen)
 
 
 def line_hash(raw: bytes) -> str:
@@ -82,6 +84,9 @@ class Audit:
         self._seq = 0
         self._prev = GENESIS
         self._unsigned = 0  # lines since the last head
+        # Told of every recorded event (heads aside), written or not: the learner's metrics count refusals
+        # from it (startup.py).
+        self.on_record: Callable[[str, dict[str, Any]], None] = lambda _event, _fields: None
 
     @classmethod
     def disabled(cls) -> Audit:
@@ -127,6 +132,10 @@ class Audit:
 
     def record(self, event: str, **fields: Any) -> None:
         """Append one event (and a signed head every ``sign_every`` lines). Never raises."""
+        try:
+            self.on_record(event, fields)
+        except Exception as e:  # noqa: BLE001 - an observer must not stop the log, nor training
+            logger.debug(f"audit observer failed on {event}: {e!r}")
         if self.path is None:
             return
         with self._lock:
@@ -172,7 +181,16 @@ class Audit:
         c = state.counters
         self.record("outer_step", version=state.version, tokens=c.tokens, train_loss=train_loss, eval_loss=eval_loss,
                     compute_seconds=round(c.compute_seconds, 3), wait_seconds=round(c.wait_seconds, 3),
-                    train_seconds=round(train_seconds, 3), bytes_sent=c.bytes_sent)
+                    train_seconds=round(train_seconds, 3), bytes_sent=c.bytes_sent,
+                    bytes_received=c.bytes_received)
+
+    def peer_seen(self, peer: str, event: str, **fields: Any) -> None:
+        """Another learner ``joined`` (its record seen for the first time, or again after it had gone), ``left``
+        (its record says so) or is ``gone`` (no record for a while): a ``peer_joined``, ``peer_left`` or
+        ``peer_gone`` event."""
+        if event not in PEER_EVENTS:
+            raise ValueError(f"peer event {event!r} is not one of {PEER_EVENTS}")
+        self.record(f"peer_{event}", peer=peer, **fields)
 
     def left(self, states: Sequence[GlobalState], **fields: Any) -> None:
         """The learner leaves: its versions and hashes."""

@@ -9,7 +9,8 @@ another hash of it; a removed, added or reordered line breaks ``seq``.
 Across learners: every member of a committed round (fragment, version) that logged it logged the same
 result hash and contributors; every state a learner adopted or merged with was committed (or merged) in a
 given log, or its adopter checked its commit certificate; else it is *unverifiable* (an error with
-``--strict``).
+``--strict``). The joins and leaves the learners saw (``peer_joined``, ``peer_left``, ``peer_gone``) are
+counted, not checked: they are what each learner read from the DHT.
 
 What it cannot see: lines after a log's last signed head can be removed (or the tail rewritten) without a
 trace, as a kill leaves an unsigned tail too; and a learner that rewrites its whole log and signs it
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.audit import FILENAME, GENESIS, head_body, line_hash, parse_line
+from p2p_diloco.audit import FILENAME, GENESIS, PEER_EVENTS, head_body, line_hash, parse_line
 from p2p_diloco.errors import UserError
 
 
@@ -153,6 +154,8 @@ class Report:
     certified: int
     unverifiable: list[str]
     excluded: set[tuple[Any, ...]]  # (fragment, version, peer) whose contribution a round left out
+    # what learners saw others do: event ("joined", "left", "gone") → {peer → how many logs saw it, how often}
+    peers_seen: dict[str, Counter[str]] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [f"{len(self.chains)} audit log(s) consistent"]
@@ -172,6 +175,10 @@ class Report:
             who = Counter(str(peer)[-8:] for _, _, peer in self.excluded)
             out.append(f"contributions excluded from rounds: {len(self.excluded)} ("
                        + ", ".join(f"{p} × {n}" for p, n in who.most_common()) + ")")
+        if any(self.peers_seen.values()):
+            seen = {e: self.peers_seen.get(e, Counter()) for e in PEER_EVENTS}
+            out.append("seen by the learners: " + ", ".join(
+                f"{sum(c.values())} {e} ({len(c)} peer{'s' * (len(c) != 1)})" for e, c in seen.items()))
         tokens: dict[str, int] = defaultdict(int)
         rounds: dict[str, int] = defaultdict(int)
         for members in self.rounds.values():
@@ -238,7 +245,9 @@ def cross_check(chains: list[Chain], strict: bool = False) -> Report:
                   distrusted=sum(len(c.events("distrusted")) for c in chains)
                   + sum(bool(e.get("distrusted")) for c in chains for _, e in c.events("download_rejected")),
                   merges=sum(len(c.events("merged")) for c in chains),
-                  traced=traced, certified=certified, unverifiable=unverifiable, excluded=excluded)
+                  traced=traced, certified=certified, unverifiable=unverifiable, excluded=excluded,
+                  peers_seen={e: Counter(str(x.get("peer"))[-8:] for c in chains for _, x in c.events(f"peer_{e}"))
+                              for e in PEER_EVENTS})
 
 
 def log_path(where: str | Path) -> Path:

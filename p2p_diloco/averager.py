@@ -51,7 +51,8 @@ class OuterGradientAverager(DecentralizedAverager):
     ``averaged_tensors`` holds buffers for every parameter; a round all-reduces only the tensors of
     the fragment named in the step's gathered metadata (``{"fragment": f, ...}``), compressed with
     that fragment's codec. ``step()`` returns ``{"gathered": ..., "stats": ..., "verdict": ...}``: hivemind's
-    gathered metadata, the all-reduce's seconds and bytes, measured inside the averager process, and
+    gathered metadata, the all-reduce's seconds, its bytes sent and received and the wall time the group
+    formed (``group_formed``), measured inside the averager process, and
     the :class:`~p2p_diloco.exclusion.Verdict` the all-reduce ran with (``rules``: the thresholds used
     when no groupmate gathered any). A learner whose own contribution is excluded raises
     :class:`ExcludedFromRound` before the all-reduce; the others run it without it.
@@ -95,6 +96,7 @@ class OuterGradientAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         # Mirrors DecentralizedAverager._aggregate_with_group, restricted to one fragment's tensors.
+        formed = time.time()  # the group has formed: the learner's matchmaking time ends here (wall clock)
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
@@ -121,7 +123,8 @@ class OuterGradientAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 tensors = [all_tensors[i] for i in indices]
                 await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=peer_fractions, **kwargs)
-            return {"gathered": gathered, "stats": self._round_stats.pop(group_info.group_id, {}), "verdict": verdict}
+            stats = {**self._round_stats.pop(group_info.group_id, {}), "group_formed": formed}
+            return {"gathered": gathered, "stats": stats, "verdict": verdict}
         except ExcludedFromRound:
             raise
         except BaseException as e:
@@ -214,10 +217,11 @@ class OuterGradientAverager(DecentralizedAverager):
         self._round_stats[group_id] = {
             "seconds": time.perf_counter() - started,
             "bytes_sent": runner.bytes_sent,
+            "bytes_received": runner.bytes_received,
         }
 
     def load_state_from_peer(self, peer: str, timeout: float, fragments: Sequence[int] | None = None):
-        """Download the state of one given peer (an MPFuture of (metadata, tensors) or None).
+        """Download the state of one given peer: an MPFuture of ((metadata, tensors) or None, bytes received).
 
         ``fragments``: only these fragments' tensors (parameters then momentum of each, in order);
         None: the whole state.
@@ -256,15 +260,19 @@ class OuterGradientAverager(DecentralizedAverager):
     async def _load_state_from_peer(
         self, peer: str, timeout: float, future: MPFuture, fragments: list[int] | None = None
     ) -> None:
+        received = [0]  # what came in counts even when the download fails
         try:
-            future.set_result(await self._download(PeerID.from_base58(peer), timeout, fragments))
+            future.set_result((await self._download(PeerID.from_base58(peer), timeout, fragments, received),
+                               received[0]))
         except Exception as e:  # noqa: BLE001 - any failure: the caller tries another peer
             logger.warning(f"download from {peer} failed: {e!r}")
             if not future.done():
-                future.set_result(None)
+                future.set_result((None, received[0]))
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
-        """hivemind's "download from the peer of highest priority", through :meth:`_download` (capped)."""
+        """hivemind's "download from the peer of highest priority", through :meth:`_download` (capped); the
+        future's result is ((metadata, tensors) or None, bytes received from every peer tried)."""
+        received = [0]
         try:
             prefix = self._matchmaking.group_key_manager.prefix
             found = self.dht.get(f"{prefix}.all_averagers", latest=True)
@@ -280,20 +288,22 @@ class OuterGradientAverager(DecentralizedAverager):
                 if peer == self.peer_id:
                     continue
                 try:
-                    loaded = await self._download(peer, timeout or self.next_chunk_timeout or 15.0, None)
+                    loaded = await self._download(peer, timeout or self.next_chunk_timeout or 15.0, None, received)
                 except Exception as e:  # noqa: BLE001 - try the next peer
                     logger.warning(f"download from {peer} failed: {e!r}")
                     continue
                 if loaded is not None:
-                    future.set_result(loaded)
+                    future.set_result((loaded, received[0]))
                     return
         finally:
             if not future.done():
-                future.set_result(None)
+                future.set_result((None, received[0]))
 
-    async def _download(self, peer: PeerID, timeout: float, fragments: list[int] | None) -> tuple[Any, list] | None:
+    async def _download(self, peer: PeerID, timeout: float, fragments: list[int] | None,
+                        counted: list[int]) -> tuple[Any, list] | None:
         """(metadata, tensors) that ``peer`` serves (only ``fragments``' tensors if given), or None if it
-        serves nothing. A stream longer than :meth:`download_cap` is cut (ValueError)."""
+        serves nothing. A stream longer than :meth:`download_cap` is cut (ValueError). ``counted[0]`` grows by
+        every message's size as it arrives (``ByteSize``, as the all-reduce counts), so a failed download counts too."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         if fragments is None:
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
@@ -305,6 +315,7 @@ class OuterGradientAverager(DecentralizedAverager):
         parts: list[Any] = []
         received, cap = 0, self.download_cap(fragments)
         async for message in aiter_with_timeout(stream, timeout=timeout):
+            counted[0] += message.ByteSize()
             received += len(message.tensor_part.buffer) + len(message.metadata)
             if received > cap:
                 raise ValueError(f"the download exceeds {cap} bytes, the most this state can take; cut")

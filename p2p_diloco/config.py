@@ -16,9 +16,9 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from p2p_diloco.errors import UserError
 
@@ -115,6 +115,15 @@ class OuterConfig(_Section):
     nesterov: bool = True
 
 
+class ContributionLimits(NamedTuple):
+    """What bounds one contribution's weight (p2p_diloco/exclusion.py): the most tokens an inner step of any
+    learner holds (None: the group's lower median of what its members' steps hold), H, and the weighting rule."""
+
+    tokens_per_step: int | None
+    steps_per_outer: int
+    weighting: str
+
+
 class AveragingConfig(_Section):
     """Groups formed through the DHT for butterfly all-reduce of outer gradients."""
 
@@ -144,6 +153,20 @@ class AveragingConfig(_Section):
     certify_timeout: float = Field(
         10.0, gt=0.0, description="after the all-reduce, how long a round waits for the signatures of at least K "
                                   "contributors (its commit certificate) before it fails without committing")
+    max_tokens_per_step: int | None = Field(
+        None, ge=1, lt=2**40, description="the most tokens one inner step of any learner of the swarm holds: a "
+                                          "contribution's weight counts at most its inner steps times this many "
+                                          "tokens (p2p_diloco/exclusion.py). None: in each round, the lower median "
+                                          "of what one step of each member holds (batch_size · seq_len · workers); "
+                                          "a swarm whose learner units or batches differ sets its largest, the "
+                                          "same on every learner")
+    # Set by the LearnerConfig this section belongs to (it needs the inner, model and sync sections).
+    _limits: ContributionLimits | None = PrivateAttr(None)
+
+    @property
+    def contribution_limits(self) -> ContributionLimits | None:
+        """What bounds a contribution's weight, from the whole learner's config; None for a section on its own."""
+        return self._limits
 
     @model_validator(mode="after")
     def _consistent(self) -> AveragingConfig:
@@ -283,6 +306,7 @@ class LearnerConfig(_Section):
         if self.sync.fragment_compression and len(self.sync.fragment_compression) != p:
             raise ValueError(f"sync.fragment_compression lists {len(self.sync.fragment_compression)} codecs "
                              f"for {p} fragments")
+        self.averaging._limits = ContributionLimits(self.averaging.max_tokens_per_step, h, self.sync.weighting)
         if self.inner.lr_schedule == "constant" and self.inner.decay_steps is not None:
             raise ValueError("inner.decay_steps applies only with inner.lr_schedule = cosine")
         if self.inner.lr_schedule == "cosine" and self.decay_steps is None:

@@ -29,6 +29,24 @@ The rule, applied to the members in sorted peer-id order:
 
 A member that gathered no ``weight`` counts with hivemind's default weight 1.0; one that gathered
 no ``norm`` is not compared (our learners always gather both: the averaging layer sees to it).
+``tokens`` and ``steps``, when gathered, must be integers from 0 to 2⁶³−1 (no bool, no float), else the
+member is excluded as malformed (rule 1).
+
+Bounded weights: with ``max_steps`` S in the rules, a member's weight is never more than its metadata
+allows. T, the most tokens one inner step may hold, is the rules' ``tokens_per_step``
+(``averaging.max_tokens_per_step``, one value for the whole swarm) or, without it, the lower median of
+the ``step_tokens`` the valid members gathered (batch · seq_len · workers of each): an honest majority
+sets it, a liar cannot raise it, and learners with different batches still meet (a member above the
+median counts as the median, logged). Its steps count as s = min(steps, S) (S when it gathered none),
+its tokens as t = min(tokens, s·T) (s·T when it gathered none), and its weight is
+``min(claimed, token_weight(t, s, 0, weighting))``. The claimed weight of an honest learner is
+``token_weight(tokens, steps, missed_versions, weighting)`` with tokens ≤ steps·T and the staleness
+divisor 1 + missed_versions ≥ 1, so it never exceeds the bound and is used unchanged; a claim above
+the bound counts as the bound, so lying gains at most the weight of S honest steps. Staleness need
+not be gathered: a member can only lower its own weight with it. The outlier rule divides norms by
+s too, so that claiming 2⁶³ steps hides no norm. A member whose weight is cut down, or whose tokens
+exceed its steps·T, is kept (clamped, not excluded: a learner unit with more workers than T allows,
+or one absent for many rounds, still brings real progress) and logged once per round at WARNING.
 
 Clipping: with ``max_contribution_norm`` c, a contribution of norm n > c is scaled by c / n
 before it is averaged (reducers scale its parts; for radial-directional averaging, whose parts
@@ -48,14 +66,22 @@ import logging
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2p_diloco.aggregators import AGGREGATORS
+from p2p_diloco.merging import token_weight
 
 logger = logging.getLogger(__name__)
 
 MAX_BANS = 64  # entries of a groupmate's ban list that are read (a list can be no reason to allocate)
+# A contribution counts at most this many times H inner steps. An honest learner in phase brings H
+# steps (up to 2H−1 in the round after the schedule re-phased it); one whose rounds failed or that
+# missed versions brings more, and keeps its work but counts as 2H. With the mean aggregator a liar's
+# weight is then at most twice an honest in-phase learner's: three honest learners outweigh it.
+MAX_STEPS_FACTOR = 2
+MAX_COUNT = 2**63 - 1  # tokens and steps above it fit no signed 64-bit field: malformed
+WEIGHTINGS = ("tokens", "tokens2_per_step")
 
 
 class RulesDisagree(ValueError):
@@ -65,15 +91,30 @@ class RulesDisagree(ValueError):
 @dataclass(frozen=True)
 class Rules:
     """The robust-merging rules (``averaging.norm_outlier_factor``, ``averaging.max_contribution_norm``,
-    ``averaging.aggregator``)."""
+    ``averaging.aggregator``) and what bounds a contribution's weight: ``tokens_per_step`` (the most
+    tokens an inner step holds), ``max_steps`` (:data:`MAX_STEPS_FACTOR` · H, :meth:`bounded_by`) and ``weighting``
+    (``sync.weighting``). Without ``tokens_per_step`` and ``max_steps`` claimed weights are not bounded."""
 
     norm_outlier_factor: float = 8.0  # 0 disables the outlier rule
     max_contribution_norm: float | None = None  # None: no clipping
     aggregator: str = "mean"  # how reducers combine contributions (p2p_diloco/aggregators.py)
+    tokens_per_step: int | None = None
+    max_steps: int | None = None
+    weighting: str = "tokens2_per_step"
 
-    def gathered(self) -> list[float | str | None]:
+    def bounded_by(self, tokens_per_step: int | None, steps_per_outer: int, weighting: str) -> Rules:
+        """These rules, bounding weights for learners of ``tokens_per_step`` and H = ``steps_per_outer``.
+
+        >>> Rules(4.0).bounded_by(1024, 20, "tokens").max_steps
+        40
+        """
+        return replace(self, tokens_per_step=tokens_per_step, max_steps=MAX_STEPS_FACTOR * steps_per_outer,
+                       weighting=weighting)
+
+    def gathered(self) -> list[float | int | str | None]:
         """The form a member gathers to its group."""
-        return [float(self.norm_outlier_factor), self.max_contribution_norm, self.aggregator]
+        return [float(self.norm_outlier_factor), self.max_contribution_norm, self.aggregator,
+                self.tokens_per_step, self.max_steps, self.weighting]
 
 
 def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
@@ -81,8 +122,9 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
 
     Raises :class:`RulesDisagree` when members gathered different or malformed rules.
 
-    >>> agreed_rules({"a": {"rules": [4.0, None, "median"]}, "b": {"rules": [4.0, None, "median"]}}, Rules())
-    Rules(norm_outlier_factor=4.0, max_contribution_norm=None, aggregator='median')
+    >>> rules = [4.0, None, "median", 1024, 40, "tokens2_per_step"]
+    >>> agreed_rules({"a": {"rules": rules}, "b": {"rules": rules}}, Rules()).max_steps
+    40
     """
     seen = {_frozen(m.get("rules") if isinstance(m, dict) else None) for m in gathered.values()}
     if len(seen) != 1:
@@ -90,12 +132,16 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
     (only,) = seen
     if only is None:
         return default
-    if not isinstance(only, tuple) or len(only) != 3 or only[2] not in AGGREGATORS:
+    if not isinstance(only, tuple) or len(only) != 6 or only[2] not in AGGREGATORS or only[5] not in WEIGHTINGS:
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
     factor, cap = _number(only[0]), None if only[1] is None else _number(only[1])
-    if factor is None or (only[1] is not None and (cap is None or cap <= 0)):
+    tokens_per_step, max_steps = only[3], only[4]
+    if (factor is None or (only[1] is not None and (cap is None or cap <= 0))
+            or (tokens_per_step is not None and max_steps is None)
+            or (max_steps is not None and not _count(max_steps))
+            or (tokens_per_step is not None and not _count(tokens_per_step))):
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
-    return Rules(factor, cap, str(only[2]))
+    return Rules(factor, cap, str(only[2]), tokens_per_step, max_steps, str(only[5]))
 
 
 @dataclass(frozen=True)
@@ -111,8 +157,9 @@ class Verdict:
     """What :func:`judge` decided for one round.
 
     ``excluded``: peer → :class:`Exclusion`; ``weights``: each contributor's weight, from its gathered
-    metadata; ``scales``: each contributor's clipping factor (1.0: not clipped); ``unit``: the
-    contributors whose parts are unit vectors (radial-directional averaging).
+    metadata and bounded by the rules; ``scales``: each contributor's clipping factor (1.0: not clipped);
+    ``unit``: the contributors whose parts are unit vectors (radial-directional averaging); ``bounded``:
+    contributor → why its claimed weight or tokens were cut down to what its steps allow.
     """
 
     excluded: dict[str, Exclusion] = field(default_factory=dict)
@@ -120,6 +167,7 @@ class Verdict:
     scales: dict[str, float] = field(default_factory=dict)
     unit: frozenset[str] = frozenset()
     aggregator: str = "mean"  # the rules' aggregator: how reducers combine the contributions
+    bounded: dict[str, str] = field(default_factory=dict)
 
     def contributors(self, peers: Iterable[str]) -> list[str]:
         """``peers`` that are not excluded, sorted."""
@@ -146,6 +194,9 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     weights: dict[str, float] = {}
     norms: dict[str, float] = {}
     steps: dict[str, int] = {}
+    bounded: dict[str, str] = {}
+    source = "averaging.max_tokens_per_step" if rules.tokens_per_step is not None else "the group's lower median"
+    rules = _with_step_tokens(gathered, rules)
     for peer in sorted(gathered):
         meta = gathered[peer]
         why = _broken(meta)
@@ -154,10 +205,12 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
             continue
         weight = _number(meta.get("weight", 1.0))
         assert weight is not None  # checked by _broken
-        weights[peer] = weight
+        weights[peer], bounded_why = _bounded_weight(meta, weight, rules, source)
+        if bounded_why:
+            bounded[peer] = bounded_why
         if meta.get("norm") is not None:
             norms[peer] = _number(meta["norm"]) or 0.0
-            steps[peer] = _steps(meta)
+            steps[peer] = _steps(meta) if rules.max_steps is None else min(_steps(meta), rules.max_steps)
     if rules.norm_outlier_factor > 0:
         # Per inner step: an honest learner that missed rounds sends the progress of many steps at once.
         rates = {p: n / steps[p] for p, n in norms.items()}
@@ -175,7 +228,11 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     cap = rules.max_contribution_norm
     scales = {p: cap / n for p, n in norms.items() if p not in excluded and cap is not None and n > cap}
     unit = frozenset(p for p in weights if p not in excluded and gathered[p].get("unit") is True)
-    return Verdict(excluded, {p: w for p, w in weights.items() if p not in excluded}, scales, unit, rules.aggregator)
+    bounded = {p: why for p, why in bounded.items() if p not in excluded}
+    for peer, why in bounded.items():
+        logger.warning(f"bounded the weight of {peer[-6:]}: {why}")
+    return Verdict(excluded, {p: w for p, w in weights.items() if p not in excluded}, scales, unit, rules.aggregator,
+                   bounded)
 
 
 @dataclass
@@ -230,7 +287,45 @@ def _broken(meta: Any) -> str:
         return f"its weight {meta.get('weight')!r} is invalid"
     if norm is not None and _number(norm) is None:
         return f"its norm {norm!r} is invalid"
+    for key in ("tokens", "steps"):
+        if key in meta and _count(meta[key]) is None:
+            return f"its {key} {meta[key]!r} are invalid"
     return ""
+
+
+def _count(value: Any) -> int | None:
+    """``value`` as a token or step count (an int from 0 to :data:`MAX_COUNT`, not a bool), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        return None
+    return value
+
+
+def _with_step_tokens(gathered: Mapping[str, Any], rules: Rules) -> Rules:
+    """``rules`` with T: their own, else the lower median of the valid ``step_tokens`` members gathered."""
+    if rules.tokens_per_step is not None or rules.max_steps is None:
+        return rules
+    told = sorted(n for m in gathered.values() if isinstance(m, dict) and not _broken(m)
+                  and (n := _count(m.get("step_tokens"))))
+    return replace(rules, tokens_per_step=told[(len(told) - 1) // 2]) if told else rules
+
+
+def _bounded_weight(meta: Mapping[str, Any], claimed: float, rules: Rules, source: str) -> tuple[float, str]:
+    """The weight a valid member counts with under ``rules``, and why it was cut down ("" when it was not)."""
+    per_step, max_steps = rules.tokens_per_step, rules.max_steps
+    if per_step is None or max_steps is None:
+        return claimed, ""
+    steps, tokens = meta.get("steps"), meta.get("tokens")  # valid counts or absent: checked by _broken
+    counted_steps = max_steps if steps is None else min(steps, max_steps)
+    allowed = counted_steps * per_step
+    counted_tokens = allowed if tokens is None else min(tokens, allowed)
+    bound = token_weight(counted_tokens, counted_steps, 0, rules.weighting)
+    # Reported: a weight cut down, or more tokens than its own steps hold (beyond S steps is no lie).
+    if claimed <= bound and (tokens is None or tokens <= (max_steps if steps is None else steps) * per_step):
+        return claimed, ""
+    return min(claimed, bound), (f"it claimed weight {claimed:.4g} for {tokens} tokens in {steps} inner steps; "
+                                 f"counted as {counted_tokens} tokens in {counted_steps} steps, weight "
+                                 f"{min(claimed, bound):.4g} (at most {per_step} tokens a step: "
+                                 f"{source}; {max_steps} steps: {MAX_STEPS_FACTOR}·H)")
 
 
 def _steps(meta: Mapping[str, Any]) -> int:

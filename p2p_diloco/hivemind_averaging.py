@@ -66,6 +66,12 @@ class HivemindAveraging:
     should_stop: Callable[[], bool] = lambda: False
     # Behind NAT (p2p_diloco.reach): send parts and receive results, never reduce, lead or serve state.
     client_mode: bool = False
+    # Told what the network brought in (the learner counts it, startup.py): the bytes of each finished all-reduce
+    # (parts and averaged shards) and each download, failed ones included; and each finished round's
+    # matchmaking seconds (from the step's start to its group forming).
+    step_tokens: int | None = None  # tokens one inner step of this learner holds (gathered: weights' bound)
+    on_received: Callable[[int], None] = lambda _n: None
+    on_matchmaking: Callable[[float], None] = lambda _s: None
     _buffers: list[torch.Tensor] = field(init=False)
     _averager: OuterGradientAverager = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # one round at a time
@@ -146,7 +152,9 @@ class HivemindAveraging:
             return result
 
     def _rules(self) -> Rules:
-        return Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
+        rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
+        limits = self.cfg.contribution_limits  # None for an averaging section built on its own (tests)
+        return rules if limits is None else rules.bounded_by(*limits)
 
     def _gathered(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any],
                   fragment: int) -> dict[str, Any]:
@@ -154,6 +162,8 @@ class HivemindAveraging:
         if "norm" not in metadata:
             norm = global_norm(deltas)
             metadata = {**metadata, "norm": norm, "finite": math.isfinite(norm)}
+        if self.step_tokens is not None:
+            metadata = {**metadata, "step_tokens": int(self.step_tokens)}
         return {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
                 "bans": self._bans.listed()}
 
@@ -167,6 +177,7 @@ class HivemindAveraging:
         scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
         timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
         self._averager.set_group_bits(group_bits(fragment, version))
+        began = time.time()  # wall clock: the averager process stamps the group's forming with it
         control = self._averager.step(
             weight=float(weight), gather=self._gathered(deltas, weight, metadata, fragment), timeout=timeout,
             scheduled_time=scheduled, wait=False,
@@ -196,6 +207,9 @@ class HivemindAveraging:
             self.faults.fire("commit", version + 1)
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
+        self.on_received(int(stats.get("bytes_received", 0)))
+        if "group_formed" in stats:
+            self.on_matchmaking(max(0.0, float(stats["group_formed"]) - began))
         return AverageResult(
             deltas=averaged,
             groupmates=groupmates,
@@ -267,6 +281,8 @@ class HivemindAveraging:
             logger.warning(f"state download failed: {type(e).__name__}: {e}")
             future.cancel()
             return None
+        loaded, received = loaded
+        self.on_received(int(received))
         if loaded is None:
             return None
         metadata, tensors = loaded

@@ -220,6 +220,7 @@ class Learner:
             "peer_id": p.state.peer_id, "shard": p.data.shard, "outer_steps": c.outer_steps,
             "rounds_failed": c.rounds_failed, "syncs": c.syncs, "merges": c.merges, "inner_steps": c.inner_steps,
             "steps_merged": c.steps_merged, "tokens": c.tokens, "bytes_sent": c.bytes_sent,
+            "bytes_received": c.bytes_received,
             "compute_seconds": c.compute_seconds, "train_seconds": c.train_seconds,
             "wait_seconds": c.wait_seconds, "download_seconds": c.download_seconds,
             "contributions_confirmed": c.contributions_confirmed, "first_eval_loss": c.first_eval_loss,

@@ -7,8 +7,10 @@ read and change a :class:`LearnerState`, and none of them imports another's modu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -29,6 +31,7 @@ class Counters:
     syncs: int = 0
     merges: int = 0  # sibling lineages (split brain) this learner merged
     bytes_sent: int = 0
+    bytes_received: int = 0  # all-reduce parts and results, state downloads (failed ones too)
     compute_seconds: float = 0.0  # wall time inside inner steps
     wait_seconds: float = 0.0  # wall time blocked on a round (overlap budget exceeded, or τ = 0)
     download_seconds: float = 0.0  # wall time of background state downloads (inner steps went on)
@@ -40,6 +43,13 @@ class Counters:
     tokens_since_merge: list[int] = field(default_factory=list)
     steps_since_merge: list[int] = field(default_factory=list)
     missed_versions: list[int] = field(default_factory=list)
+
+    _received_lock: ClassVar[threading.Lock] = threading.Lock()  # rounds and downloads count from their threads
+
+    def count_received(self, n: int) -> None:
+        """``n`` more bytes came in from the network (the averaging's ``on_received``)."""
+        with self._received_lock:
+            self.bytes_received += n
 
     def resize(self, fragments: int) -> None:
         """Reset the per-fragment counters to zeros for ``fragments`` fragments."""

@@ -3,7 +3,9 @@
 :class:`Metrics` mirrors the learner's :class:`~p2p_diloco.learner_state.Counters` and its rounds' outcomes
 into a private ``CollectorRegistry``, served over HTTP when ``run.metrics_port`` is set (``--metrics-port``),
 on all interfaces. Every name starts with ``p2p_diloco_``. The learner updates it after each progress
-line, each outer step and each round; a scrape never waits for the training loop.
+line, each outer step and each round; the averaging reports each round's matchmaking time, the audit log
+the refusals it records and the progress heartbeat the learners it sees (startup.py wires them); a scrape
+never waits for the training loop.
 
 Example::
 
@@ -15,15 +17,19 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from p2p_diloco.errors import LearnerError
+from p2p_diloco.records import MAX_ADDRESS
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from p2p_diloco.learner_state import Counters, LearnerState
@@ -35,6 +41,7 @@ _TOTALS = {
     "inner_steps": "inner steps taken",
     "tokens": "tokens trained on (all workers of the unit)",
     "bytes_sent": "bytes sent by outer rounds",
+    "bytes_received": "bytes received by outer rounds and state downloads",
     "compute_seconds": "wall time inside inner steps",
     "wait_seconds": "wall time blocked on a round",
     "download_seconds": "wall time of background state downloads",
@@ -42,6 +49,8 @@ _TOTALS = {
     "merges": "sibling lineages merged (split brain)",
 }
 _ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+# Audit events that are refusals of what a peer sent or said, counted by kind (besides the round's exclusions).
+REFUSALS = ("download_rejected", "distrusted")
 
 
 class Metrics:
@@ -62,6 +71,14 @@ class Metrics:
                                      buckets=_ROUND_BUCKETS)
         self._allreduce_time = Histogram("p2p_diloco_allreduce_seconds", "all-reduce wall time", registry=r,
                                          buckets=_ROUND_BUCKETS)
+        self._matchmaking_time = Histogram("p2p_diloco_matchmaking_seconds",
+                                           "from a round's start to its group forming (rounds that averaged)",
+                                           registry=r, buckets=_ROUND_BUCKETS)
+        self._refusals = Counter("p2p_diloco_refusals", "peers' contributions, states or claims refused, by kind",
+                                 ["kind"], registry=r)
+        for kind in (*REFUSALS, "excluded"):  # present at 0 from the first scrape
+            self._refusals.labels(kind=kind)
+        self._peers = Gauge("p2p_diloco_peers_visible", "other live learners in the last records read", registry=r)
         self._info = Info("p2p_diloco_learner", "who this learner is", registry=r)
         self.last_eval_loss: float | None = None
 
@@ -110,13 +127,40 @@ class Metrics:
         if out.allreduce_seconds > 0:
             self._allreduce_time.observe(out.allreduce_seconds)
         self._group.set(out.group_size)
+        if out.excluded:
+            self._refusals.labels(kind="excluded").inc(len(out.excluded))
+
+    def matchmaking(self, seconds: float) -> None:
+        """A round's group formed ``seconds`` after it started looking (the averaging's ``on_matchmaking``)."""
+        self._matchmaking_time.observe(seconds)
+
+    def audited(self, event: str, fields: dict[str, Any]) -> None:
+        """An audit event (the audit log's ``on_record``): the refusals among them are counted by kind."""
+        if event in REFUSALS:
+            self._refusals.labels(kind=event).inc()
+
+    def peers_visible(self, count: int) -> None:
+        """How many other live learners the last read of the swarm's records showed."""
+        self._peers.set(count)
+
+
+def first_address(dht: Any) -> str:
+    """The first of the DHT's visible multiaddrs that a progress record can carry (printable, at most
+    :data:`~p2p_diloco.records.MAX_ADDRESS` characters); "" if none is (hivemind raises when it has none)."""
+    try:
+        maddrs: Iterable[object] = dht.get_visible_maddrs()
+    except Exception as e:  # noqa: BLE001 - an address is shown by `status`, never needed to train
+        logger.debug(f"no visible address for the progress record: {e!r}")
+        return ""
+    return next((a for a in map(str, maddrs) if len(a) <= MAX_ADDRESS and a.isprintable()), "")
 
 
 def resources(trainer: Trainer, counters: Counters, started: float, metrics: Metrics,
-              reach: str = "") -> dict[str, Any]:
+              reach: str = "", address: str = "") -> dict[str, Any]:
     """The resource fields of this learner's progress record (:class:`~p2p_diloco.records.ProgressRecord`):
     its hardware, throughput, contribution, traffic and uptime (``started``: its ``time.monotonic()`` at start),
-    and how peers reach it (``reach``: a :class:`~p2p_diloco.reach.Reach`'s ``record_value``)."""
+    how peers reach it (``reach``: a :class:`~p2p_diloco.reach.Reach`'s ``record_value``) and where
+    (``address``: :func:`first_address`)."""
     c, placement = counters, trainer.placement
     fragments = max(1, len(c.tokens_since_merge))
     busy = c.compute_seconds + c.wait_seconds
@@ -126,5 +170,6 @@ def resources(trainer: Trainer, counters: Counters, started: float, metrics: Met
         "device_kind": placement.device.type, "device_name": placement.name[:128], "workers": trainer.workers,
         "cpu_cores": os.cpu_count() or 0, "tokens_per_second": c.tokens / busy if busy > 0 else 0.0,
         "tokens_contributed": max(0, round(c.tokens - sum(c.tokens_since_merge) / fragments)),
-        "bytes_sent": c.bytes_sent, "uptime": time.monotonic() - started, "eval_loss": loss, "reach": reach,
+        "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received, "uptime": time.monotonic() - started,
+        "eval_loss": loss, "reach": reach, "address": address,
     }

@@ -1,6 +1,8 @@
 """A learner's side of the progress records: publishing its own, reading the swarm's, the heartbeat.
 
-The records themselves (format, validation, the DHT key) are in :mod:`p2p_diloco.records`.
+The records themselves (format, validation, the DHT key) are in :mod:`p2p_diloco.records`. The heartbeat
+also tells the audit log which other learners it saw join and leave (:class:`SwarmWatch`) and the metrics
+how many are visible.
 """
 
 from __future__ import annotations
@@ -9,11 +11,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from p2p_diloco.audit import Audit
 from p2p_diloco.faults import LIE_VERSIONS, FaultPlan
 from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.records import ProgressBoard, ProgressRecord, Status
+
+if TYPE_CHECKING:
+    from p2p_diloco.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +39,9 @@ class Progress:
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
         self.client = False  # we average as a client (p2p_diloco.reach): a group needs a reachable member
         self._only_clients = False
+        self.audit = Audit.disabled()  # where the joins and leaves the heartbeat sees go (set once the log is open)
+        self.metrics: Metrics | None = None  # told how many other learners are visible
+        self.swarm = SwarmWatch(gone_after=2 * record_ttl)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -88,9 +97,20 @@ class Progress:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.period):
             self.publish()
-            self._seen = self.board.read()  # leaves `stale` to the training thread
+            self._seen = seen = self.board.read()  # leaves `stale` to the training thread
             if self.client:
-                self._say_if_only_clients(self._seen)
+                self._say_if_only_clients(seen)
+            self._watch(seen)
+
+    def _watch(self, records: dict[str, ProgressRecord]) -> None:
+        """Audit the joins and leaves these records show (debounced by :class:`SwarmWatch`); count the live peers."""
+        me = self.state.peer_id
+        if self.metrics is not None and records:
+            self.metrics.peers_visible(sum(p != me and r.status != "left" for p, r in records.items()))
+        for peer, event, fields in self.swarm.update(records, me, time.monotonic()):
+            logger.info(f"learner {peer[-6:]} {event}" + (" (it was there when we started)"
+                                                         if fields.get("already_there") else ""))
+            self.audit.peer_seen(peer, event, **fields)
 
     def _say_if_only_clients(self, records: dict[str, ProgressRecord]) -> None:
         """One line when every other live learner is a client too (no group can form), one when that ends."""
@@ -108,3 +128,49 @@ class Progress:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+
+class SwarmWatch:
+    """Which other learners joined and left, from successive reads of the swarm's records; debounced, so that
+    a lookup that misses some records (DHT flicker) says nothing.
+
+    A peer *joined* when its live record (any status but ``left``) is seen for the first time in this run, or
+    again after it left or was gone; it *left* when its record says ``left``; it is *gone* when no record of
+    it was seen for ``gone_after`` seconds (2 × ``record_ttl``: a dead learner's record expires ``record_ttl``
+    after its last refresh, and a lookup may miss a live one). An empty read (the lookup failed, or found not
+    even our own record) changes nothing. A learner already present at the first read is reported as joined,
+    marked ``already_there``.
+
+    Example::
+
+        watch = SwarmWatch(gone_after=60.0)
+        watch.update({"12D3KooWa...": record}, me="12D3KooWme...", now=time.monotonic())  # [(peer, "joined", {...})]
+    """
+
+    def __init__(self, gone_after: float):
+        self.gone_after = gone_after
+        self._last_seen: dict[str, float] = {}  # present peers → when their live record was last seen
+        self._first = True
+
+    def update(self, records: dict[str, ProgressRecord], me: str,
+               now: float) -> list[tuple[str, str, dict[str, Any]]]:
+        """The (peer, event, fields) that ``records``, read at ``now`` (monotonic seconds), show since the last read."""
+        if not records:
+            return []
+        first, self._first = self._first, False
+        events: list[tuple[str, str, dict[str, Any]]] = []
+        for peer, r in sorted(records.items()):
+            if peer == me:
+                continue
+            if r.status == "left":
+                if self._last_seen.pop(peer, None) is not None:
+                    events.append((peer, "left", {"version": r.version}))
+                continue
+            if peer not in self._last_seen:
+                events.append((peer, "joined", {"version": r.version, "reach": r.reach, "already_there": first}))
+            self._last_seen[peer] = now
+        for peer, seen in list(self._last_seen.items()):
+            if now - seen > self.gone_after:
+                del self._last_seen[peer]
+                events.append((peer, "gone", {"unseen_seconds": round(now - seen, 1)}))
+        return events

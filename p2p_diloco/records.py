@@ -32,6 +32,7 @@ Status = Literal["training", "done", "left"]
 _STATUSES = ("training", "done", "left")
 _MAX_RECORD_BYTES = 16 * 1024
 _MAX_TEXT = 128  # the longest string field (a device's name)
+MAX_ADDRESS = 200  # the longest address (a multiaddr with its /p2p/ suffix is about 100)
 _LINEAGE_RE = re.compile(r"[A-Za-z0-9_\-]{1,128}")
 
 
@@ -59,9 +60,11 @@ class ProgressRecord:
     tokens_per_second: float = 0.0  # over its training so far
     tokens_contributed: int = 0  # its tokens that entered the global state (mean over fragments)
     bytes_sent: int = 0  # by its rounds
+    bytes_received: int = 0  # by its rounds and state downloads
     uptime: float = 0.0  # seconds since it started
     eval_loss: float | None = None  # its last eval of its local model
     reach: str = ""  # how peers reach it: direct, relay or client (p2p_diloco.reach); "" unknown
+    address: str = ""  # its first visible multiaddr, as it says; "" unknown
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
@@ -119,12 +122,12 @@ _REACH = ("", "direct", "relay", "client")
 def _resources(obj: dict) -> dict:
     """The resource fields of a record's map, checked; absent ones take their defaults."""
     out: dict = {}
-    for name in ("device_kind", "device_name"):
+    for name, longest in (("device_kind", _MAX_TEXT), ("device_name", _MAX_TEXT), ("address", MAX_ADDRESS)):
         value = obj.get(name, "")
-        if not (isinstance(value, str) and len(value) <= _MAX_TEXT and value.isprintable()):
+        if not (isinstance(value, str) and len(value) <= longest and value.isprintable()):
             raise RecordError(f"bad {name}")
         out[name] = value
-    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent"):
+    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent", "bytes_received"):
         value = obj.get(name, 0)
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62):
             raise RecordError(f"bad {name} {value!r}")

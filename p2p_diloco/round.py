@@ -157,7 +157,7 @@ class OuterRound:
         averaged = result.deltas
         if not problem and self.rda:
             norms = [mates[p]["norm"] * result.verdict.scale(p) for p in contributors]
-            averaged = rda_combine(averaged, norms, [mates[p]["weight"] for p in contributors])
+            averaged = rda_combine(averaged, norms, [self._weight(result.verdict, p, mates) for p in contributors])
         problem = problem or self._check_delta(averaged)
         if problem:
             return self._fail(problem, group_size=len(contributors))
@@ -183,7 +183,8 @@ class OuterRound:
             certify_seconds=time.perf_counter() - certifying,
             parent=meta["sha256"],
             sha256=new_sha,
-            members={p: {"tokens": int(m.get("tokens", 0)), "weight": m.get("weight")} for p, m in mates.items()},
+            members={p: {"tokens": int(m.get("tokens", 0)), "weight": self._weight(result.verdict, p, mates)}
+                     for p, m in mates.items()},
         )
 
     def _log_exclusions(self, verdict: Verdict) -> None:
@@ -193,6 +194,11 @@ class OuterRound:
             logger.log(logging.INFO if exclusion.banned else logging.WARNING,
                        f"excluded {peer[-6:]} from fragment {self.fragment} version {self.state.version}: "
                        f"{exclusion.why}")
+
+    @staticmethod
+    def _weight(verdict: Verdict, peer: str, mates: dict[str, dict[str, Any]]) -> float:
+        """The weight ``peer`` counted with: the verdict's, bounded by its metadata, not the one it claimed."""
+        return verdict.weights.get(peer, float(mates[peer].get("weight", 1.0)))
 
     def _fail(self, reason: str, group_size: int = 0) -> RoundOutcome:
         self.stage = Stage.FAILED

@@ -44,7 +44,7 @@ from p2p_diloco.grace import GraceWindow
 from p2p_diloco.hivemind_averaging import HivemindAveraging
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
 from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
-from p2p_diloco.metrics import Metrics, resources
+from p2p_diloco.metrics import Metrics, first_address, resources
 from p2p_diloco.models import build_model, embedding_names, model_config_json, named_shapes, vocab_size
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
 from p2p_diloco.parting import Leaving
@@ -276,7 +276,8 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
     progress.client = reach.client
-    progress.resources = lambda: resources(trainer, state.counters, began, metrics, reach.record_value)
+    address = first_address(dht)  # for `status`; peers find us through the DHT anyway
+    progress.resources = lambda: resources(trainer, state.counters, began, metrics, reach.record_value, address)
     metrics.describe(run_id=cfg.network.run_id, lineage=lineage, peer_id=state.peer_id, version=__version__,
                      codec=",".join(sorted({cfg.codec_for(f) for f in range(cfg.sync.fragments)})))
     waited = time.monotonic() - waited
@@ -288,11 +289,14 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     audit = Audit.open(ckpt_dir, key, state.peer_id, cfg.run.audit_sign_every, lineage=lineage,
                        shard=data.shard, versions=[s.version for s in state.states], checkpoint=payload is not None)
     closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
+    progress.audit, progress.metrics, audit.on_record = audit, metrics, metrics.audited
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
     averager = time.monotonic()
-    averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client)
+    averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client,
+                                 step_tokens=cfg.inner.batch_size * cfg.model.seq_len * trainer.workers)
     closer.callback(averaging.shutdown)
+    averaging.on_received, averaging.on_matchmaking = state.counters.count_received, metrics.matchmaking
     # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
     writer = CheckpointWriter(ckpt_dir)
     closer.callback(writer.close, timeout=120)  # a snapshot still waiting is written before the lock goes
@@ -324,7 +328,7 @@ def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
 
 
 def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: LearnerState, progress: Progress,
-                     leaving: Leaving, faults: FaultPlan, client: bool) -> HivemindAveraging:
+                     leaving: Leaving, faults: FaultPlan, client: bool, step_tokens: int) -> HivemindAveraging:
     state.served.on_serve = lambda: faults.fire("serve", state.version)
     if any(f.action == "lie" and f.mode == "state" for f in faults.faults):
         state.served.forge = lambda states: forged_states(states) if faults.lying("state", state.version + 1) \
@@ -335,6 +339,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: Le
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         fragments=parameter_indices([len(s.params) for s in state.states]),
         codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults, client_mode=client,
+        step_tokens=step_tokens,
     )
     averaging.set_state_priority(state.version)
     return averaging

@@ -49,8 +49,8 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
                 "workers": r.workers, "cpu_cores": r.cpu_cores, "tokens_per_second": r.tokens_per_second,
                 "tokens_contributed": r.tokens_contributed,
                 "share": r.tokens_contributed / merged if merged > 0 else 0.0,
-                "bytes_sent": r.bytes_sent, "uptime": r.uptime, "eval_loss": r.eval_loss,
-                "age": max(0.0, now - r.wall_time), "reach": r.reach,
+                "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received, "uptime": r.uptime,
+                "eval_loss": r.eval_loss, "age": max(0.0, now - r.wall_time), "reach": r.reach, "address": r.address,
             })
         live = [r for r in records.values() if r.status != "left" and r.sha256 != _NO_STATE]
         fragments = []
@@ -64,7 +64,8 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
             "totals": {"learners": len(records), "live": len(live), "merged_tokens": round(merged),
                        "tokens_per_second": sum(r.tokens_per_second for r in live),
                        "tokens_contributed": sum(r.tokens_contributed for r in records.values()),
-                       "bytes_sent": sum(r.bytes_sent for r in records.values())},
+                       "bytes_sent": sum(r.bytes_sent for r in records.values()),
+                       "bytes_received": sum(r.bytes_received for r in records.values())},
         }
     return out
 
@@ -76,19 +77,19 @@ def render(doc: Mapping[str, Any]) -> Group:
         parts.append(Text(f"run {doc['run_id']}: no learners found (yet)", style="yellow"))
     for lineage, lin in doc["lineages"].items():
         table = Table(title=f"run {doc['run_id']} · lineage {lineage}", title_justify="left")
-        for col in ("learner", "status", "reach", "hardware", "versions", "sha", "tokens/s", "contributed", "share",
-                    "eval loss", "age"):
-            table.add_column(col, justify="right" if col in ("tokens/s", "contributed", "share", "eval loss", "age")
-                             else "left")
+        numbers = ("tokens/s", "contributed", "share", "MB sent/recv", "eval loss", "age")
+        for col in ("learner", "status", "reach", "address", "hardware", "versions", "sha", *numbers):
+            table.add_column(col, justify="right" if col in numbers else "left")
         for row in lin["learners"]:
             hardware = f"{row['device_name'] or row['device_kind'] or '?'}"
             hardware += f" ×{row['workers']}" if row["workers"] > 1 else ""
             hardware += f", {row['cpu_cores']} cores" if row["cpu_cores"] else ""
             loss, versions = row["eval_loss"], "/".join(map(str, row["versions"])) or str(row["version"])
             table.add_row(
-                row["peer_id"][-8:], row["status"], row["reach"] or "?", hardware, versions,
+                row["peer_id"][-8:], row["status"], row["reach"] or "?", _host(row["address"]), hardware, versions,
                 row["sha256"][:8], f"{row['tokens_per_second']:,.0f}", f"{row['tokens_contributed']:,}",
-                f"{row['share']:.0%}", "-" if loss is None else f"{loss:.4f}", f"{row['age']:.0f}s",
+                f"{row['share']:.0%}", f"{row['bytes_sent'] / 1e6:,.1f}/{row['bytes_received'] / 1e6:,.1f}",
+                "-" if loss is None else f"{loss:.4f}", f"{row['age']:.0f}s",
             )
         parts.append(table)
         t = lin["totals"]
@@ -96,8 +97,15 @@ def render(doc: Mapping[str, Any]) -> Group:
                           f"{'agree' if fr['agree'] else 'DISAGREE'} ({fr['learners_at_version']})"
                           for fr in lin["fragments"]) or "no states yet"
         parts.append(Text(f"{t['live']} live of {t['learners']} learners · {t['tokens_per_second']:,.0f} tokens/s · "
-                          f"{t['merged_tokens']:,} tokens merged · {t['bytes_sent'] / 1e6:,.1f} MB sent · {agree}"))
+                          f"{t['merged_tokens']:,} tokens merged · {t['bytes_sent'] / 1e6:,.1f} MB sent · "
+                          f"{t['bytes_received'] / 1e6:,.1f} MB received · {agree}"))
     return Group(*parts)
+
+
+def _host(address: str) -> Text:
+    """An address for the table: without its /p2p/ suffix (the learner column names the peer); "?" if unknown.
+    A Text cell: rich reads no markup in it (the address is what a peer says)."""
+    return Text(address.split("/p2p/")[0] or "?")
 
 
 def read_swarm(dht: Any, run_id: str) -> dict[str, dict[str, ProgressRecord]]:

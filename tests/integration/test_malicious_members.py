@@ -70,3 +70,25 @@ def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_
         assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, s
         groups = [int(n) for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", p.text())]
         assert 4 in groups, groups  # the liar was in the rounds: outvoted, not left out
+
+
+@pytest.mark.timeout(300)
+def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_as_its_steps_allow(swarm):
+    """The default token-weighted mean: the liar's weight of 1e15 is recomputed from its tokens and steps
+    (p2p_diloco/exclusion.py), so its sign-flipped outer gradient counts like one honest learner's and the
+    three honest ones outweigh it. Unbounded, the same run ended at eval loss 32.0 (docs/security.md)."""
+    swarm.start_bootstrap()
+    liar_id = peer_id_of(swarm.tmp / "ckpt-3" / "identity.key")
+    honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]
+    swarm.start_learner(3, max_outer_steps=TARGET,
+                        extra=["--fault", "poison at round 2 with flip; lie at round 2 with weight"])
+    for p in honest:
+        assert p.wait(240) == 0, p.text()
+    summaries = _assert_one_lineage(swarm, range(3), TARGET)
+    texts = [p.text() for p in honest]
+    for text, s in zip(texts, summaries, strict=True):
+        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, (s, text[-3000:])
+    groups = [int(n) for t in texts for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", t)]
+    assert 4 in groups, groups  # the liar was in the rounds: bounded, not left out
+    bounded = [t for t in texts if f"bounded the weight of {liar_id[-6:]}: it claimed weight 1e+15" in t]
+    assert bounded, "\n".join(t[-3000:] for t in texts)

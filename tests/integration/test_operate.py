@@ -62,27 +62,40 @@ def test_status_and_metrics_during_a_run(swarm):
         assert row["status"] in ("training", "done") and row["versions"] and min(row["versions"]) >= 1, row
         assert row["device_kind"] == "cpu" and row["cpu_cores"] >= 1 and row["workers"] == 1, row
         assert row["tokens_per_second"] > 0 and row["uptime"] > 0, row
+        assert row["address"].startswith("/ip4/127.0.0.1/tcp/") and row["address"].endswith(row["peer_id"]), row
     assert seen["totals"]["learners"] == 2 and all("agree" in f for f in seen["fragments"])
     table = subprocess.run([sys.executable, "-m", "p2p_diloco", "status", "--initial-peers", addr],
                            capture_output=True, text=True, timeout=90, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
     assert table.returncode == 0 and "learners" in table.stdout and "lineage" in table.stdout, table
+    assert "/ip4/127.0.0.1/tcp/" in table.stdout and "MB received" in table.stdout, table.stdout
 
-    last = None
+    last, peers_visible = None, set()
     deadline = time.monotonic() + 150
     while learners[0].popen.poll() is None and time.monotonic() < deadline:
         last = _scrape(port) or last
+        if last is not None:
+            peers_visible.add(last.get(("p2p_diloco_peers_visible", ())))
         time.sleep(0.5)
     for p in learners:
         assert p.wait(60) == 0, p.text()
     assert last is not None, "the metrics endpoint never answered"
     s = swarm.summary(0)
     # Counters are pushed at progress lines, outer steps and the end of training: never ahead of the summary.
-    for name in ("inner_steps", "tokens", "bytes_sent", "compute_seconds"):
+    for name in ("inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds"):
         assert 0 < last[(f"p2p_diloco_{name}_total", ())] <= s[name] + 1e-6, name
+    # Two learners, equal shards: in each round a learner receives what the other sends it (and any state it
+    # downloads comes on top).
+    assert s["bytes_received"] > 0.5 * s["bytes_sent"], s
     committed = sum(v for (n, labels), v in last.items()
                     if n == "p2p_diloco_rounds_total" and ("outcome", "committed") in labels)
     assert 1 <= committed <= s["outer_steps"]
     assert last[("p2p_diloco_version", (("fragment", "0"),))] >= 1
+    assert 1 <= last[("p2p_diloco_matchmaking_seconds_count", ())] <= committed
+    assert 1.0 in peers_visible, peers_visible  # the other learner
+    assert last[("p2p_diloco_refusals_total", (("kind", "download_rejected"),))] == 0
+    audit = [json.loads(line) for line in (swarm.tmp / "ckpt-0" / "audit.jsonl").read_text().splitlines()]
+    other = swarm.summary(1)["peer_id"]
+    assert [e["peer"] for e in audit if e["event"] == "peer_joined"] == [other], audit
     info = [labels for (n, labels), _ in last.items() if n == "p2p_diloco_learner_info"]
     assert info and ("peer_id", s["peer_id"]) in info[0]
 

@@ -3,6 +3,7 @@ tampering (an edited, removed or swapped line is named), resuming a chain, a tor
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -11,6 +12,7 @@ from p2p_diloco.audit import FILENAME, Audit
 from p2p_diloco.audit_verify import Inconsistent, read_chain, verify
 from p2p_diloco.cli import main as cli_main
 from p2p_diloco.errors import LearnerError
+from p2p_diloco.learner_state import Counters
 from p2p_diloco.round import RoundOutcome, Stage
 from p2p_diloco.signed_records import IdentityKey, peer_id_of_public_key
 
@@ -209,3 +211,57 @@ def test_members_of_one_round_that_disagree_are_named(tmp_path, keys, capsys):
 def test_verify_without_a_log_is_a_user_error(tmp_path, capsys):
     assert cli_main(["audit", "verify", str(tmp_path)]) == 2
     assert "no audit log" in capsys.readouterr().err
+
+
+def test_joins_and_leaves_seen_are_logged_and_summarised(tmp_path, keys):
+    (ka, pa), (kb, pb), (_, pc) = keys
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Audit.open(tmp_path / "a", ka, pa, 20)
+    a.peer_seen(pb, "joined", version=0, reach="direct", already_there=True)
+    a.peer_seen(pc, "joined", version=1, reach="client", already_there=False)
+    a.peer_seen(pc, "gone", unseen_seconds=20.5)
+    a.peer_seen(pc, "joined", version=3, reach="client", already_there=False)
+    a.peer_seen(pb, "left", version=4)
+    with pytest.raises(ValueError):
+        a.peer_seen(pb, "vanished")
+    a.close()
+    b = Audit.open(tmp_path / "b", kb, pb, 20)
+    b.peer_seen(pa, "joined", version=0, reach="direct", already_there=False)
+    b.close()
+    events = [json.loads(line) for line in _lines(tmp_path / "a" / FILENAME)]
+    assert [(e["event"], e["peer"]) for e in events if e["event"].startswith("peer_")] == [
+        ("peer_joined", pb), ("peer_joined", pc), ("peer_gone", pc), ("peer_joined", pc), ("peer_left", pb)]
+    report = verify([tmp_path / "a", tmp_path / "b"])
+    assert sum(report.peers_seen["joined"].values()) == 4 and len(report.peers_seen["joined"]) == 3
+    assert report.peers_seen["left"] == {pb[-8:]: 1} and report.peers_seen["gone"] == {pc[-8:]: 1}
+    assert "seen by the learners: 4 joined (3 peers), 1 left (1 peer), 1 gone (1 peer)" in report.lines()
+
+
+def test_an_observer_sees_every_event_and_cannot_break_the_log(tmp_path, keys):
+    key, peer = keys[0]
+    audit = Audit.open(tmp_path, key, peer, 20)
+    seen: list[str] = []
+
+    def observer(event, fields):
+        seen.append(event)
+        raise RuntimeError("a bug in the observer")
+
+    audit.on_record = observer
+    audit.record("download_rejected", peer="p", reason="bad sha")
+    audit.record("distrusted", peer="p")
+    audit.close()
+    assert seen == ["download_rejected", "distrusted"]  # (heads are the log's own, not events)
+    events = [json.loads(line)["event"] for line in _lines(tmp_path / FILENAME)]
+    assert events[1:3] == ["download_rejected", "distrusted"]
+    read_chain(tmp_path / FILENAME)
+
+
+def test_an_outer_step_logs_the_traffic_both_ways(tmp_path, keys):
+    key, peer = keys[0]
+    audit = Audit.open(tmp_path, key, peer, 20)
+    c = Counters(tokens=640, bytes_sent=1000, bytes_received=2500)
+    audit.outer_step(SimpleNamespace(version=3, counters=c), train_loss=3.1, eval_loss=None, train_seconds=9.0)
+    audit.close()
+    step = [json.loads(line) for line in _lines(tmp_path / FILENAME)][1]
+    assert (step["event"], step["bytes_sent"], step["bytes_received"], step["version"]) == ("outer_step", 1000, 2500, 3)

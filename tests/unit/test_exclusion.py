@@ -1,8 +1,10 @@
-"""Robust merging: the exclusion rule, bans, agreed rules, and a reducer that leaves an excluded sender out."""
+"""Robust merging: the exclusion rule, bans, agreed rules, bounded weights, and a reducer that leaves an excluded
+sender out."""
 
 import asyncio
 import itertools
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +16,15 @@ from hivemind.proto import averaging_pb2
 
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.codecs import decode, get_codec
-from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.config import ConfigError, ModelConfig, OuterConfig, load_learner_config
 from p2p_diloco.exclusion import Bans, Exclusion, Rules, RulesDisagree, Verdict, agreed_rules, judge
+from p2p_diloco.hivemind_averaging import HivemindAveraging
+from p2p_diloco.merging import global_norm, token_weight
+from p2p_diloco.models import build_model
+from p2p_diloco.outer import GlobalState, OuterOptimizer
+from p2p_diloco.round import OuterRound
+
+from .fake_averaging import FakeGroup
 
 NAN, INF = float("nan"), float("inf")
 
@@ -164,17 +173,137 @@ def test_clipping_scales_contributions_above_the_cap():
     assert verdict.part_scale("b") == 1.5 / 4.0 and verdict.part_scale("c") == 1.0
 
 
+def _rules(factor=4.0, cap=None, aggregator="mean", per_step=1024, max_steps=40, weighting="tokens2_per_step"):
+    return [factor, cap, aggregator, per_step, max_steps, weighting]
+
+
 def test_members_must_agree_on_the_rules():
-    same = {"a": {"rules": [4.0, None, "median"]}, "b": {"rules": [4.0, None, "median"]}}
-    assert agreed_rules(same, Rules()) == Rules(4.0, None, "median")
+    same = {"a": {"rules": _rules(aggregator="median")}, "b": {"rules": _rules(aggregator="median")}}
+    assert agreed_rules(same, Rules()) == Rules(4.0, None, "median", 1024, 40, "tokens2_per_step")
+    assert agreed_rules(same, Rules()).gathered() == _rules(aggregator="median")
+    unbounded = _rules(per_step=None, max_steps=None)
+    assert agreed_rules({"a": {"rules": unbounded}}, Rules()) == Rules(4.0)
     assert agreed_rules({"a": {}, "b": {}}, Rules(3.0)) == Rules(3.0)  # nobody gathered any: ours
-    for bad in ({"a": {"rules": [4.0, None, "mean"]}, "b": {"rules": [8.0, None, "mean"]}},
-                {"a": {"rules": [4.0, None, "mean"]}, "b": {"rules": [4.0, None, "median"]}},
-                {"a": {"rules": [4.0, None, "mean"]}, "b": {}},
-                {"a": {"rules": [4.0, None]}}, {"a": {"rules": [4.0, None, "mode"]}},
-                {"a": {"rules": [-1.0, None, "mean"]}}, {"a": {"rules": [4.0, 0.0, "mean"]}}, {"a": {"rules": "x"}}):
+    for bad in ({"a": {"rules": _rules()}, "b": {"rules": _rules(factor=8.0)}},
+                {"a": {"rules": _rules()}, "b": {"rules": _rules(aggregator="median")}},
+                {"a": {"rules": _rules()}, "b": {}},
+                {"a": {"rules": [4.0, None, "mean"]}}, {"a": {"rules": _rules(aggregator="mode")}},
+                {"a": {"rules": _rules(factor=-1.0)}}, {"a": {"rules": _rules(cap=0.0)}}, {"a": {"rules": "x"}}):
         with pytest.raises(RulesDisagree):
             agreed_rules(bad, Rules())
+
+
+def test_members_must_agree_on_what_bounds_a_contribution():
+    """A member with another batch (tokens per step), H (steps) or weighting rule fails the group's round."""
+    for theirs in (_rules(per_step=2048), _rules(max_steps=80), _rules(weighting="tokens"),
+                   _rules(per_step=None, max_steps=None)):
+        with pytest.raises(RulesDisagree, match="different robust-merging rules"):
+            agreed_rules({"a": {"rules": _rules()}, "b": {"rules": theirs}}, Rules())
+    for bad in (_rules(per_step=0), _rules(per_step=-1), _rules(per_step=1024.0), _rules(per_step=True),
+                _rules(max_steps=None), _rules(max_steps=2**64 - 1),
+                _rules(weighting="tokens3")):
+        with pytest.raises(RulesDisagree, match="malformed"):
+            agreed_rules({"a": {"rules": bad}, "b": {"rules": bad}}, Rules())
+
+
+def test_the_averaging_layer_gathers_bounds_from_the_learners_config():
+    cfg = load_learner_config(None, ["inner.batch_size=8", "model.seq_len=32", "inner.steps_per_outer=20",
+                                     "sync.weighting=tokens"])
+    averaging = SimpleNamespace(cfg=cfg.averaging)
+    rules = HivemindAveraging._rules(averaging)  # type: ignore[arg-type]
+    # No swarm-wide tokens per step by default: each round takes the lower median of what members gathered.
+    assert (rules.tokens_per_step, rules.max_steps, rules.weighting) == (None, 2 * 20, "tokens")
+    assert agreed_rules({"a": {"rules": rules.gathered()}}, Rules()) == rules
+    assert (rules.norm_outlier_factor, rules.aggregator) == (8.0, "mean")
+    units = load_learner_config(None, ["averaging.max_tokens_per_step=4096"])  # a swarm with units sets its largest
+    assert HivemindAveraging._rules(SimpleNamespace(cfg=units.averaging)).tokens_per_step == 4096  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_tokens_per_step"):
+        load_learner_config(None, ["averaging.max_tokens_per_step=0"])
+
+
+BOUNDS = Rules(8.0).bounded_by(tokens_per_step=1000, steps_per_outer=10, weighting="tokens2_per_step")  # ≤ 20 steps
+
+
+def _learner(inner_steps: int, missed: int = 0, workers: int = 1, **lie) -> dict:
+    """The metadata an honest learner of BOUNDS gathers after ``inner_steps`` (as rounds.py weighs it), then ``lie``."""
+    tokens = inner_steps * 1000 * workers
+    meta = {"norm": 0.1 * inner_steps, "finite": True, "tokens": tokens, "steps": inner_steps,
+            "weight": token_weight(tokens, inner_steps, missed, BOUNDS.weighting)}
+    return {**meta, **lie}
+
+
+def test_honest_weights_are_what_token_weight_gives():
+    gathered = {"a": _learner(10), "b": _learner(7), "c": _learner(20, missed=1), "d": _learner(14, missed=3),
+                "e": _learner(1)}
+    verdict = judge(gathered, BOUNDS)
+    assert verdict.weights == {p: m["weight"] for p, m in gathered.items()} and verdict.bounded == {}
+    assert verdict.weights["a"] == 10 * 1000.0**2  # tokens · tokens / steps
+    tokens_rule = Rules(8.0).bounded_by(1000, 10, "tokens")
+    gathered = {p: {**m, "weight": token_weight(m["tokens"], m["steps"], 0, "tokens")} for p, m in gathered.items()}
+    assert judge(gathered, tokens_rule).weights == {p: float(m["tokens"]) for p, m in gathered.items()}
+
+
+def test_a_weight_of_1e15_counts_as_what_its_steps_allow(caplog):
+    gathered = {"a": _learner(10), "b": _learner(10), "c": _learner(10), "liar": _learner(10, weight=1e15)}
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.exclusion"):
+        verdict = judge(gathered, BOUNDS)
+    assert verdict.excluded == {}
+    assert verdict.weights == {p: 1e7 for p in gathered}  # the liar counts like any learner of 10 steps
+    assert set(verdict.bounded) == {"liar"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "bounded the weight of liar: it claimed weight 1e+15 for 10000 tokens in 10 inner steps; counted as 10000 "
+        "tokens in 10 steps, weight 1e+07 (at most 1000 tokens a step: averaging.max_tokens_per_step; 20 steps: 2·H)"]
+    # Without bounds in the rules the claim stands (rules gathered by members without bounds).
+    assert judge(gathered, Rules()).weights["liar"] == 1e15
+
+
+def test_tokens_are_bounded_by_steps_times_tokens_per_step_and_steps_by_the_cap():
+    lie = _learner(10, tokens=10**9, weight=token_weight(10**9, 10))
+    verdict = judge({"a": _learner(10), "liar": lie}, BOUNDS)
+    assert verdict.weights["liar"] == token_weight(10 * 1000, 10) == verdict.weights["a"]
+    assert "for 1000000000 tokens in 10 inner steps; counted as 10000 tokens in 10 steps" in verdict.bounded["liar"]
+    # Claiming many steps as well: at most 2·H steps of 1000 tokens, twice an honest learner in phase.
+    lie = _learner(10**6, weight=token_weight(10**9, 10**6), norm=1.0)
+    assert judge({"a": _learner(10), "liar": lie}, BOUNDS).weights["liar"] == token_weight(20 * 1000, 20) == 2e7
+    # A learner that claims tokens above its steps but a modest weight keeps it, and is still reported.
+    odd = _learner(10, workers=2, weight=5.0)
+    verdict = judge({"a": _learner(10), "unit": odd}, BOUNDS)
+    assert verdict.weights["unit"] == 5.0 and "for 20000 tokens in 10 inner steps" in verdict.bounded["unit"]
+    # An honest learner absent for many rounds: its steps count as 2·H, its work stays in.
+    verdict = judge({"a": _learner(10), "slow": _learner(50)}, BOUNDS)
+    assert verdict.excluded == {} and verdict.weights["slow"] == token_weight(20 * 1000, 20)
+    assert "counted as 20000 tokens in 20 steps" in verdict.bounded["slow"]
+    # ... unless the versions it missed already bring its weight below that: nothing to report.
+    verdict = judge({"a": _learner(10), "slow": _learner(50, missed=4)}, BOUNDS)
+    assert verdict.weights["slow"] == token_weight(50 * 1000, 50, 4) and verdict.bounded == {}
+    # No tokens or steps gathered: the most 2·H steps can hold.
+    assert judge({"x": {"norm": 1.0, "weight": 1e15}}, BOUNDS).weights["x"] == 2e7
+    assert judge({"x": {"norm": 1.0, "weight": 3.0}}, BOUNDS).weights["x"] == 3.0
+
+
+def test_claimed_steps_do_not_hide_a_norm_from_the_outlier_rule():
+    """Norms are compared per inner step: the steps are bounded there too."""
+    gathered = {p: _learner(10) for p in "abc"} | {"liar": _learner(10, steps=2**63 - 1, norm=1e6)}
+    assert set(judge(gathered, BOUNDS).excluded) == {"liar"}
+    assert set(judge(gathered, Rules()).excluded) == set()  # unbounded: 1e6 / 2^63 per step looks tiny
+
+
+def test_hostile_token_and_step_counts_exclude_their_sender_without_an_exception():
+    hostile = {"neg_tokens": {"tokens": -1}, "big_tokens": {"tokens": 2**64 - 1}, "bool_tokens": {"tokens": True},
+               "float_tokens": {"tokens": 1e4}, "nan_tokens": {"tokens": NAN}, "str_tokens": {"tokens": "10000"},
+               "neg_steps": {"steps": -1}, "big_steps": {"steps": 2**64 - 1}, "bool_steps": {"steps": False},
+               "float_steps": {"steps": 10.0}, "none_steps": {"steps": None}, "list_steps": {"steps": [10]}}
+    gathered = {"a": _learner(10), "b": _learner(10)} | {p: _learner(10, **v) for p, v in hostile.items()}
+    for rules in (BOUNDS, Rules()):
+        verdict = judge(gathered, rules)
+        assert set(verdict.excluded) == set(hostile) and verdict.contributors(gathered) == ["a", "b"]
+    assert verdict.excluded["big_tokens"].why == "its tokens 18446744073709551615 are invalid"
+    assert verdict.excluded["float_steps"].why == "its steps 10.0 are invalid"
+    # The largest valid count is bounded, not excluded; zero steps bound the weight to zero.
+    no_outliers = Rules(0.0).bounded_by(1000, 10, "tokens2_per_step")
+    verdict = judge({"a": _learner(10), "max": _learner(10, tokens=2**63 - 1, steps=2**63 - 1, weight=1e300),
+                     "zero": _learner(10, steps=0)}, no_outliers)
+    assert verdict.excluded == {} and verdict.weights["max"] == 2e7 and verdict.weights["zero"] == 0.0
 
 
 def test_config_fields():
@@ -225,3 +354,69 @@ def test_a_reducer_refuses_an_excluded_sender_and_weighs_by_gathered_weights():
     for reply in replies[:2]:
         assert [m.code for m in reply] == [averaging_pb2.AVERAGED_PART]
         assert torch.equal(decode(reply[0].tensor_part), expected)
+
+
+def test_radial_averaging_weighs_norms_by_the_bounded_weights():
+    """RDA's mean norm is weighted too: by the verdict's bounded weights, not the 1e15 a member claims."""
+    def learner(shift: float):
+        model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, seq_len=8), seed=0)
+        state = GlobalState.from_module(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(shift * 1e-3)
+        return state, list(model.parameters())
+
+    applied = []
+
+    class Capture(OuterOptimizer):
+        def apply(self, state, deltas, tokens=0):
+            applied.append(global_norm(deltas))
+            super().apply(state, deltas, tokens=tokens)
+
+    group = FakeGroup(2, Rules(0.0).bounded_by(tokens_per_step=10, steps_per_outer=10, weighting="tokens"))
+    pair = [learner(1.0), learner(4.0)]
+    norms = [global_norm([g - p.detach() for g, p in zip(s.params, ps, strict=True)]) for s, ps in pair]
+    outcomes = [None, None]
+
+    def run(i: int) -> None:  # both hold 100 tokens in 10 steps; the second claims weight 1e15
+        state, params = pair[i]
+        outcomes[i] = OuterRound(state, Capture(OuterConfig()), group.member(str(i)), params, 100, 10,
+                                 weight=[100.0, 1e15][i], rda=True).run()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    assert all(o is not None and o.committed for o in outcomes)
+    assert all(o.members["1"]["weight"] == 100.0 for o in outcomes if o is not None)
+    mean = (norms[0] + norms[1]) / 2  # equal weights; unbounded, the mean norm would be the claimer's, 4x
+    assert len(applied) == 2 and all(abs(n - mean) <= 1e-5 * mean for n in applied), (applied, norms)
+
+
+PER_MEMBER = Rules(8.0).bounded_by(tokens_per_step=None, steps_per_outer=10, weighting="tokens2_per_step")
+
+
+def test_without_a_swarm_wide_bound_the_lower_median_of_the_members_steps_bounds_everyone(caplog):
+    """Learners with different batches meet; a liar's claimed step size cannot raise the bound."""
+    small, large = _learner(10, step_tokens=1000), _learner(10, workers=2, step_tokens=2000)
+    liar = _learner(10, weight=1e15, tokens=10**12, step_tokens=10**12)
+    verdict = judge({"a": small, "b": small, "c": large, "liar": liar}, PER_MEMBER)
+    assert verdict.excluded == {}
+    assert verdict.weights["a"] == verdict.weights["b"] == small["weight"]
+    assert verdict.weights["liar"] == token_weight(10 * 1000, 10)  # counted at the lower median, 1000 a step
+    assert verdict.weights["c"] == token_weight(10 * 1000, 10)  # above the median: counted as it, and said so
+    assert set(verdict.bounded) == {"c", "liar"}
+    # A group of two larger learners keeps their whole weight: the bound follows the group.
+    both = judge({"c": large, "d": large}, PER_MEMBER)
+    assert both.weights == {"c": large["weight"], "d": large["weight"]} and both.bounded == {}
+    # In a pair, the lower median is the smaller: a liar cannot raise its honest partner's yardstick.
+    assert judge({"a": small, "liar": liar}, PER_MEMBER).weights["liar"] == token_weight(10 * 1000, 10)
+    # Nobody gathered a step size (older members): claims stand, as without bounds.
+    assert judge({"a": _learner(10), "x": _learner(10, weight=1e15)}, PER_MEMBER).weights["x"] == 1e15
+
+
+def test_the_learner_gathers_its_own_step_size():
+    cfg = load_learner_config(None, [])
+    averaging = SimpleNamespace(cfg=cfg.averaging, step_tokens=16 * 128, _bans=None, _rules=lambda: PER_MEMBER)
+    averaging._bans = SimpleNamespace(listed=lambda: [])
+    meta = HivemindAveraging._gathered(averaging, [torch.ones(3)], 2.0, {"tokens": 5}, 0)  # type: ignore[arg-type]
+    assert meta["step_tokens"] == 16 * 128 and meta["weight"] == 2.0

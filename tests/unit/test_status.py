@@ -18,8 +18,9 @@ def _rec(versions, shas, status="training", contributed=0, **kw):
 
 def test_document_lists_learners_totals_and_agreement():
     records = {
-        "peerA": _rec([3, 3], [A, A], contributed=600, eval_loss=2.0),
-        "peerB": _rec([3, 2], [A, B], contributed=400),
+        "peerA": _rec([3, 3], [A, A], contributed=600, eval_loss=2.0, bytes_sent=5_000_000, bytes_received=7_000_000,
+                      address="/ip4/203.0.113.7/tcp/31337/p2p/peerA"),
+        "peerB": _rec([3, 2], [A, B], contributed=400, bytes_received=1_000_000),
         "peerC": _rec([1, 1], [B, B], status="left", contributed=100),
     }
     doc = swarm_document("run", {"run-1234abcd": records}, now=100.0)
@@ -28,6 +29,8 @@ def test_document_lists_learners_totals_and_agreement():
     assert [row["peer_id"] for row in lin["learners"]] == ["peerA", "peerB", "peerC"]
     a = lin["learners"][0]
     assert a["versions"] == [3, 3] and a["share"] == 0.6 and a["age"] == 10.0 and a["eval_loss"] == 2.0
+    assert (a["bytes_received"], a["address"]) == (7_000_000, "/ip4/203.0.113.7/tcp/31337/p2p/peerA")
+    assert (lin["totals"]["bytes_sent"], lin["totals"]["bytes_received"]) == (5_000_000, 8_000_000)
     assert lin["totals"]["learners"] == 3 and lin["totals"]["live"] == 2 and lin["totals"]["merged_tokens"] == 1000
     assert lin["totals"]["tokens_per_second"] == 1000.0
     # fragment 0: both live learners at v3 hold A; fragment 1: only peerA is at v3
@@ -49,3 +52,15 @@ def test_an_empty_swarm_renders():
     console = Console(record=True, width=120)
     console.print(render(swarm_document("run", {})))
     assert "no learners found" in console.export_text()
+
+
+def test_the_table_shows_address_and_traffic():
+    records = {"12D3KooWpeerAAAA": _rec([2], [A], bytes_sent=2_500_000, bytes_received=4_000_000,
+                                        address="/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWpeerAAAA"),
+               "12D3KooWpeerBBBB": _rec([2], [A], address="/ip4/[red]x[/red]/tcp/1")}
+    console = Console(record=True, width=250)
+    console.print(render(swarm_document("run", {"run-x": records}, now=100.0)))
+    text = console.export_text()
+    assert "/ip4/203.0.113.7/tcp/31337" in text and "/p2p/12D3KooWpeerAAAA" not in text  # the peer has its column
+    assert "2.5/4.0" in text and "4.0 MB received" in text
+    assert "/ip4/[red]x[/red]/tcp/1" in text  # a peer's text is printed as it is, never read as markup

@@ -4,8 +4,9 @@
 # a learner adds what only the container knows (its address, its slot in the region, the
 # bootstrap node's multiaddr), then runs `p2p-diloco "$@"`.
 #
-# Environment: WAN_GATEWAY, WAN_ROUTES (subnets), and for learners REGION, BOOTSTRAP_MADDRS_FILE,
-# LEARNER_PORT, SLOTS_DIR, SHARD_BASE, SHARD_STRIDE, NUM_SHARDS.
+# Environment: WAN_GATEWAY, WAN_ROUTES (subnets), WAN_UNREACHABLE (subnets of regions behind NAT),
+# and for learners REGION, BOOTSTRAP_MADDRS_FILE, LEARNER_PORT, SLOTS_DIR, SHARD_BASE,
+# SHARD_STRIDE, NUM_SHARDS.
 set -eu
 
 if [ -n "${WAN_GATEWAY:-}" ]; then
@@ -13,6 +14,10 @@ if [ -n "${WAN_GATEWAY:-}" ]; then
         ip route replace "$net" via "$WAN_GATEWAY"
     done
 fi
+# Regions behind NAT: nobody outside can address them (the default route, the Docker host, would).
+for net in ${WAN_UNREACHABLE:-}; do
+    ip route replace unreachable "$net"
+done
 
 if [ "${1:-}" = learner ]; then
     ip=$(ip -4 -o addr show scope global | awk '{ split($4, a, "/"); print a[1]; exit }')

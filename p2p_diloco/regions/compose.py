@@ -8,9 +8,17 @@ Per region: a network with the region's subnet (learners get addresses from its 
 backbone network that shapes both directions of the region's WAN link with ``tc`` (netem + tbf,
 from ``<REGION>_BANDWIDTH``, ``<REGION>_DELAY_MS``, ``<REGION>_LOSS_PCT``), and a learner service
 ``learner-<region>`` whose replicas are the region's learners (``--scale learner-eu=4`` adds more).
-Containers route the other regions' subnets through their region's gateway. The bootstrap node
-keeps its identity on a volume, so its multiaddr (``.10`` of its region, fixed port) is stable;
-learners read it from that volume, read-only, once the bootstrap node is healthy.
+Containers route the other regions' subnets and the backbone through their region's gateway. The
+bootstrap node keeps its identity on a volume, so its multiaddr (``.10`` of its region, fixed port)
+is stable; learners read it from that volume, read-only, once the bootstrap node is healthy.
+
+A region with ``nat = true`` is behind NAT: its gateway translates the region's outgoing traffic to
+its own backbone address and drops new connections coming in from the backbone (nftables). Nobody
+else routes to its subnet: the other regions' containers and gateways mark it unreachable, which
+also keeps their packets from taking the Docker host's bridges around the gateways.
+
+The file works with Compose v2 (``docker compose``) and v1 (``docker-compose`` 1.29): it has no
+top-level ``name``, which v1 refuses; the project name comes from ``-p`` or ``COMPOSE_PROJECT_NAME``.
 """
 
 from __future__ import annotations
@@ -46,7 +54,22 @@ def env_prefix(region: Region) -> str:
 
 
 def _routes_to_others(topo: Topology, region: Region) -> str:
-    return " ".join(str(r.subnet) for r in topo.regions if r.name != region.name)
+    """Subnets a container routes through its gateway: the other regions not behind NAT, and the
+    backbone (a NAT'd region's connections arrive from its gateway's backbone address)."""
+    others = [str(r.subnet) for r in topo.regions if r.name != region.name and not r.nat]
+    return " ".join([*others, str(topo.backbone)])
+
+
+def _unreachable(topo: Topology, region: Region) -> str:
+    """The other regions' subnets behind NAT: routed nowhere (``ip route ... unreachable``)."""
+    return " ".join(str(r.subnet) for r in topo.regions if r.name != region.name and r.nat)
+
+
+def _region_env(topo: Topology, r: Region) -> dict[str, str]:
+    env = {"REGION": r.name, "WAN_GATEWAY": str(r.gateway), "WAN_ROUTES": _routes_to_others(topo, r)}
+    if _unreachable(topo, r):
+        env["WAN_UNREACHABLE"] = _unreachable(topo, r)
+    return env
 
 
 def _gateway(topo: Topology, r: Region) -> dict[str, Any]:
@@ -64,8 +87,13 @@ def _gateway(topo: Topology, r: Region) -> dict[str, Any]:
             "WAN_LOSS_PCT": f"${{{e}_LOSS_PCT:-{r.loss_pct:g}}}",
             "GATEWAY_ADDR": str(r.gateway),
             "BACKBONE_ADDR": str(topo.backbone_addr(r.name)),
-            # Other regions' subnets and the backbone address of the gateway that leads to each.
-            "ROUTES": " ".join(f"{o.subnet}={topo.backbone_addr(o.name)}" for o in topo.regions if o.name != r.name),
+            # Other regions' subnets and the backbone address of the gateway that leads to each,
+            # except regions behind NAT: nobody outside can address those.
+            "ROUTES": " ".join(f"{o.subnet}={topo.backbone_addr(o.name)}"
+                               for o in topo.regions if o.name != r.name and not o.nat),
+            **({"UNREACHABLE": _unreachable(topo, r)} if _unreachable(topo, r) else {}),
+            # Behind NAT: outgoing traffic from this subnet leaves with BACKBONE_ADDR; no new connection comes in.
+            **({"NAT_SUBNET": str(r.subnet)} if r.nat else {}),
         },
         "networks": {r.name: {"ipv4_address": str(r.gateway)},
                      "wan": {"ipv4_address": str(topo.backbone_addr(r.name))}},
@@ -86,7 +114,7 @@ def _bootstrap(topo: Topology) -> dict[str, Any]:
             "--identity", f"{BOOT_DIR}/identity.key", "--maddrs-file", f"{BOOT_DIR}/maddrs.txt",
         ]),
         "cap_add": _Flow(["NET_ADMIN"]),
-        "environment": {"REGION": r.name, "WAN_GATEWAY": str(r.gateway), "WAN_ROUTES": _routes_to_others(topo, r)},
+        "environment": _region_env(topo, r),
         "networks": {r.name: {"ipv4_address": str(topo.bootstrap_addr)}},
         "volumes": _Flow([f"bootstrap-identity:{BOOT_DIR}"]),
         "depends_on": {f"gw-{r.name}": {"condition": "service_healthy"}},
@@ -107,7 +135,7 @@ def _learners(topo: Topology, r: Region) -> dict[str, Any]:
         "deploy": {"replicas": r.learners},
         "cap_add": _Flow(["NET_ADMIN"]),
         "environment": {
-            "REGION": r.name, "WAN_GATEWAY": str(r.gateway), "WAN_ROUTES": _routes_to_others(topo, r),
+            **_region_env(topo, r),
             "BOOTSTRAP_MADDRS_FILE": f"{BOOT_DIR}/maddrs.txt", "LEARNER_PORT": str(topo.learner_port),
             # The n-th learner of the region (a slot claimed with flock on the slots volume)
             # trains on shard (SHARD_BASE + n % SHARD_STRIDE) % NUM_SHARDS.
@@ -137,15 +165,20 @@ def compose_dict(topo: Topology) -> dict[str, Any]:
     for r in topo.regions:
         networks[r.name] = {"ipam": {"config": [{"subnet": str(r.subnet), "ip_range": str(r.learner_range)}]}}
     volumes: dict[str, Any] = {"bootstrap-identity": {}, **{f"slots-{r.name}": {} for r in topo.regions}}
-    return {"name": PROJECT, "services": services, "networks": networks, "volumes": volumes}
+    return {"services": services, "networks": networks, "volumes": volumes}
 
 
 def render_compose(topo: Topology, source: str = "regions/topology.toml") -> str:
     """The text of ``docker-compose.yml`` for ``topo`` (deterministic: same topology, same bytes)."""
     names = ", ".join(f"{r.name} ({r.learners})" for r in topo.regions)
+    nat = ", ".join(r.name for r in topo.regions if r.nat)
     header = (
         f"# Generated from {source} by `p2p-diloco regions --emit-compose`; edit that file, not this one.\n"
         f"# Regions (learners): {names}; bootstrap node in {topo.bootstrap_region} at {topo.bootstrap_addr}.\n"
+        + (f"# Behind NAT (their learners dial out but cannot be dialled): {nat}.\n" if nat else "")
+        + "# Compose v2 (docker compose) or v1 (docker-compose 1.29). No top-level name: (v1 refuses it), so\n"
+        f"# the project name comes from -p or COMPOSE_PROJECT_NAME; the README uses {PROJECT}:\n"
+        f"#   export COMPOSE_PROJECT_NAME={PROJECT}\n"
         "#   docker compose up --build                      # the whole swarm\n"
         "#   docker compose up -d --scale learner-eu=4      # more learners in a region\n"
         "#   EU_BANDWIDTH=5mbit US_DELAY_MS=120 docker compose up   # other WAN conditions\n"

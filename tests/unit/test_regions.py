@@ -26,7 +26,7 @@ from p2p_diloco.bootstrap import load_bootstrap_config
 from p2p_diloco.cli import _learner_overrides, build_parser
 from p2p_diloco.config import ConfigError, load_learner_config
 from p2p_diloco.regions.compose import render_compose
-from p2p_diloco.regions.netns import Host, shape_commands
+from p2p_diloco.regions.netns import Host, NetnsUnavailable, gateway_routes, nat_commands, nat_tool, shape_commands
 from p2p_diloco.regions.simulator import RegionsOptions, _learner_args
 from p2p_diloco.regions.topology import load_topology, rate_bits_per_second
 
@@ -67,8 +67,11 @@ def test_compose_and_topology_agree(topo, compose):
         assert learners["cap_add"] == ["NET_ADMIN"]
         assert learners["depends_on"]["bootstrap"]["condition"] == "service_healthy"
         assert learners["environment"]["WAN_GATEWAY"] == str(r.gateway)
-        others = {str(o.subnet) for o in topo.regions if o.name != r.name}
-        assert set(learners["environment"]["WAN_ROUTES"].split()) == others
+        # Through the gateway: the other regions not behind NAT, and the backbone (where NAT'd traffic comes from).
+        others = {str(o.subnet) for o in topo.regions if o.name != r.name and not o.nat}
+        assert set(learners["environment"]["WAN_ROUTES"].split()) == others | {str(topo.backbone)}
+        natted = {str(o.subnet) for o in topo.regions if o.name != r.name and o.nat}
+        assert set(learners["environment"].get("WAN_UNREACHABLE", "").split()) == natted
         # Its own checkpoint volume (an anonymous volume per container) and the bootstrap identity, read-only.
         assert "/var/lib/p2p-diloco/checkpoint" in learners["volumes"]
         assert any(v.startswith("bootstrap-identity:") and v.endswith(":ro") for v in learners["volumes"])
@@ -81,7 +84,14 @@ def test_compose_and_topology_agree(topo, compose):
         assert gw["networks"]["wan"]["ipv4_address"] == str(topo.backbone_addr(r.name))
         assert gw["cap_add"] == ["NET_ADMIN"] and gw["sysctls"]["net.ipv4.ip_forward"] == "1"
         routes = dict(x.split("=") for x in env["ROUTES"].split())
-        assert routes == {str(o.subnet): str(topo.backbone_addr(o.name)) for o in topo.regions if o.name != r.name}
+        assert routes == {str(o.subnet): str(topo.backbone_addr(o.name))
+                          for o in topo.regions if o.name != r.name and not o.nat}
+        assert set(env.get("UNREACHABLE", "").split()) == natted
+        assert env.get("NAT_SUBNET") == (str(r.subnet) if r.nat else None)
+    # The committed topology has a region behind NAT, so the compose swarm exercises it.
+    assert any(r.nat for r in topo.regions)
+    # Compose v1 (docker-compose 1.29) refuses a top-level name; the project name comes from -p.
+    assert set(compose) == {"services", "networks", "volumes"}
     boot = services["bootstrap"]
     assert boot["networks"][topo.bootstrap_region]["ipv4_address"] == str(topo.bootstrap_addr)
     assert any(v.startswith("bootstrap-identity:/") and not v.endswith(":ro") for v in boot["volumes"])
@@ -180,6 +190,20 @@ def test_entrypoint_adds_address_slot_and_bootstrap_and_the_result_parses(tmp_pa
     assert sorted(shards) == [topo.shard_index("us", 0), topo.shard_index("us", 1)]
     routes = (tmp_path / "ip.log").read_text().splitlines()
     assert f"ip route replace 10.77.1.0/24 via {topo.region('us').gateway}" in routes
+    assert f"ip route replace {topo.backbone} via {topo.region('us').gateway}" in routes
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs sh")
+def test_entrypoint_marks_a_nat_region_unreachable(tmp_path, topo, compose):
+    nat = next(r for r in topo.regions if r.nat)
+    boot_env = compose["services"]["bootstrap"]["environment"]  # the bootstrap region is never behind NAT
+    assert boot_env["WAN_UNREACHABLE"] == str(nat.subnet)
+    env = {**os.environ, **_fake_tools(tmp_path, tmp_path / "argv.jsonl"), **{k: str(v) for k, v in boot_env.items()}}
+    r = subprocess.run([str(ROOT / "docker" / "entrypoint.sh"), "bootstrap", "--help"], env=env, timeout=20)
+    assert r.returncode == 0
+    routes = (tmp_path / "ip.log").read_text().splitlines()
+    assert f"ip route replace unreachable {nat.subnet}" in routes
+    assert not any(str(nat.subnet) in line and " via " in line for line in routes)
 
 
 def test_simulator_learner_commands_parse_through_the_cli(tmp_path, topo):
@@ -203,6 +227,9 @@ def test_simulator_learner_commands_parse_through_the_cli(tmp_path, topo):
     ({"regions.0.bandwidth": "fast"}, "20mbit"),
     ({"regions.0.name": "Europe-West"}, "regions.0.name"),
     ({"regions.0.learners": 9}, "num_shards"),
+    ({"regions.0.nat": True}, "bootstrap_region 'eu' has nat = true"),
+    ({"regions.0.learners": 0, "regions.1.nat": True, "regions.2.nat": True},
+     "every learner is in a region with nat = true"),
 ])
 def test_bad_topology_is_a_one_line_error(tmp_path, edit, needle):
     data = tomllib.loads(TOPOLOGY.read_text())
@@ -235,3 +262,48 @@ def test_shaping_recipe():
     netem, child = shape_commands("wan0", "20mbit", delay_ms=40, loss_pct=0.5, netem=True)
     assert netem[netem.index("netem"):] == ["netem", "limit", "100000", "delay", "40ms", "loss", "0.5%"]
     assert child[child.index("parent") + 1] == "1:1" and "tbf" in child
+
+
+def test_no_gateway_routes_into_a_nat_region(tmp_path):
+    data = tomllib.loads(TOPOLOGY.read_text())
+    data["regions"][1]["nat"] = True  # us
+    path = tmp_path / "t.toml"
+    path.write_text(_to_toml(data))
+    topo = load_topology(path)
+    us = topo.region("us").subnet
+    for r in ("eu", "ap"):
+        routes = dict(gateway_routes(topo, r))
+        assert us not in routes and len(routes) == 1, (r, routes)
+    # The NAT'd region itself reaches everyone, via their gateways' backbone addresses.
+    assert dict(gateway_routes(topo, "us")) == {topo.region(o).subnet: topo.backbone_addr(o) for o in ("eu", "ap")}
+
+
+@pytest.mark.parametrize("installed, expected", [(["nft"], "nft"), (["iptables", "nft"], "iptables"), ([], None)])
+def test_nat_tool_prefers_iptables_and_names_the_package_when_neither_exists(tmp_path, monkeypatch, installed,
+                                                                             expected):
+    for name in installed:
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    if expected is not None:
+        assert nat_tool() == expected
+    else:
+        with pytest.raises(NetnsUnavailable) as e:
+            nat_tool()
+        assert "install the iptables package" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("tool", ["iptables", "nft"])
+def test_nat_recipe_translates_to_the_gateway_backbone_address_and_drops_new_inbound(tool):
+    subnet, public = ipaddress.IPv4Network("10.77.2.0/24"), ipaddress.IPv4Address("10.77.0.11")
+    cmds = [" ".join(c) for c in nat_commands(tool, subnet, "wan0", public)]
+    assert all(c.startswith(tool) for c in cmds)
+    snat = [c for c in cmds if "snat" in c.lower()]
+    assert len(snat) == 1 and "10.77.2.0/24" in snat[0] and snat[0].endswith("10.77.0.11")
+    # Both the forward path (into the region) and the gateway's own input: established first, then drop.
+    for hook in (("FORWARD", "INPUT") if tool == "iptables" else ("forwarded", "incoming")):
+        rules = [c for c in cmds if f" {hook} " in c and "wan0" in c]
+        assert len(rules) == 2, (hook, cmds)
+        assert "established" in rules[0].lower() and rules[1].lower().endswith("drop")
+    with pytest.raises(ValueError):
+        nat_commands("pf", subnet, "wan0", public)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from p2p_diloco.errors import UserError
 
@@ -160,13 +160,6 @@ class AveragingConfig(_Section):
                                           "of what one step of each member holds (batch_size · seq_len · workers); "
                                           "a swarm whose learner units or batches differ sets its largest, the "
                                           "same on every learner")
-    # Set by the LearnerConfig this section belongs to (it needs the inner, model and sync sections).
-    _limits: ContributionLimits | None = PrivateAttr(None)
-
-    @property
-    def contribution_limits(self) -> ContributionLimits | None:
-        """What bounds a contribution's weight, from the whole learner's config; None for a section on its own."""
-        return self._limits
 
     @model_validator(mode="after")
     def _consistent(self) -> AveragingConfig:
@@ -286,6 +279,11 @@ class LearnerConfig(_Section):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
+    @property
+    def contribution_limits(self) -> ContributionLimits:
+        """What bounds a contribution's weight (averaging, inner and sync settings together)."""
+        return ContributionLimits(self.averaging.max_tokens_per_step, self.inner.steps_per_outer, self.sync.weighting)
+
     @model_validator(mode="after")
     def _schedule_fits(self) -> LearnerConfig:
         h, p, tau = self.inner.steps_per_outer, self.sync.fragments, self.sync.overlap_steps
@@ -306,7 +304,6 @@ class LearnerConfig(_Section):
         if self.sync.fragment_compression and len(self.sync.fragment_compression) != p:
             raise ValueError(f"sync.fragment_compression lists {len(self.sync.fragment_compression)} codecs "
                              f"for {p} fragments")
-        self.averaging._limits = ContributionLimits(self.averaging.max_tokens_per_step, h, self.sync.weighting)
         if self.inner.lr_schedule == "constant" and self.inner.decay_steps is not None:
             raise ValueError("inner.decay_steps applies only with inner.lr_schedule = cosine")
         if self.inner.lr_schedule == "cosine" and self.decay_steps is None:

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time, get_logger
 from p2p_diloco.averager import ExcludedFromRound, OuterGradientAverager
 from p2p_diloco.averaging import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
 from p2p_diloco.codecs import get_codec
-from p2p_diloco.config import AveragingConfig
+from p2p_diloco.config import AveragingConfig, ContributionLimits
 from p2p_diloco.exclusion import Bans, Rules, Verdict
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.merging import global_norm
@@ -70,6 +70,7 @@ class HivemindAveraging:
     # (parts and averaged shards) and each download, failed ones included; and each finished round's
     # matchmaking seconds (from the step's start to its group forming).
     step_tokens: int | None = None  # tokens one inner step of this learner holds (gathered: weights' bound)
+    limits: ContributionLimits | None = None  # what bounds contributions' weights (None: unbounded, in tests)
     on_received: Callable[[int], None] = lambda _n: None
     on_matchmaking: Callable[[float], None] = lambda _s: None
     _buffers: list[torch.Tensor] = field(init=False)
@@ -153,8 +154,7 @@ class HivemindAveraging:
 
     def _rules(self) -> Rules:
         rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
-        limits = self.cfg.contribution_limits  # None for an averaging section built on its own (tests)
-        return rules if limits is None else rules.bounded_by(*limits)
+        return rules if self.limits is None else rules.bounded_by(*self.limits)
 
     def _gathered(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any],
                   fragment: int) -> dict[str, Any]:

@@ -98,23 +98,28 @@ class Progress:
         while not self._stop.wait(self.period):
             self.publish()
             self._seen = seen = self.board.read()  # leaves `stale` to the training thread
+            live = self._live_others(seen)
             if self.client:
-                self._say_if_only_clients(seen)
-            self._watch(seen)
+                self._say_if_only_clients(live)
+            self._watch(seen, live)
 
-    def _watch(self, records: dict[str, ProgressRecord]) -> None:
-        """Audit the joins and leaves these records show (debounced by :class:`SwarmWatch`); count the live peers."""
+    def _live_others(self, records: dict[str, ProgressRecord]) -> list[ProgressRecord]:
+        """The records of the other learners that have not left."""
+        return [r for p, r in records.items() if p != self.state.peer_id and r.status != "left"]
+
+    def _watch(self, records: dict[str, ProgressRecord], live: list[ProgressRecord]) -> None:
+        """Audit the joins and leaves ``records`` show (debounced by :class:`SwarmWatch`); count the ``live``
+        other learners among them."""
         me = self.state.peer_id
         if self.metrics is not None and records:
-            self.metrics.peers_visible(sum(p != me and r.status != "left" for p, r in records.items()))
+            self.metrics.peers_visible(len(live))
         for peer, event, fields in self.swarm.update(records, me, time.monotonic()):
             logger.info(f"learner {peer[-6:]} {event}" + (" (it was there when we started)"
                                                          if fields.get("already_there") else ""))
             self.audit.peer_seen(peer, event, **fields)
 
-    def _say_if_only_clients(self, records: dict[str, ProgressRecord]) -> None:
-        """One line when every other live learner is a client too (no group can form), one when that ends."""
-        live = [r for p, r in records.items() if p != self.state.peer_id and r.status != "left"]
+    def _say_if_only_clients(self, live: list[ProgressRecord]) -> None:
+        """One line when every other ``live`` learner is a client too (no group can form), one when that ends."""
         only = bool(live) and all(r.reach == "client" for r in live)
         if only and not self._only_clients:
             logger.warning(f"only client-mode learners are visible ({len(live)}): a group needs a reachable member "

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 CHECK = "p2p_diloco.reach.check"  # the handler that dials a peer back
 DIRECT, RELAY, CLIENT = "direct", "relay", "client only"
 MODES = (DIRECT, RELAY, CLIENT)
+RECORD_VALUES = ("direct", "relay", "client")  # the ``reach`` field of progress records, one per mode
 _MAX_ADDRS = 8  # addresses a question may name
 _MAX_ADDR_BYTES = 256
 _COOLDOWN = 10.0  # seconds before the same peer may ask again
@@ -70,7 +71,7 @@ class Reach:
     @property
     def record_value(self) -> str:
         """The ``reach`` field of its progress record: ``direct``, ``relay`` or ``client``."""
-        return "client" if self.mode == CLIENT else self.mode
+        return RECORD_VALUES[MODES.index(self.mode)]
 
 
 def decide(answers: Sequence[bool | None], relayed: bool = False) -> Reach:

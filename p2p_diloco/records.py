@@ -24,6 +24,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 
 from p2p_diloco.outer import is_sha256
+from p2p_diloco.reach import RECORD_VALUES
 from p2p_diloco.signed_records import peer_id_of_owner
 
 logger = get_logger(__name__)
@@ -116,7 +117,7 @@ class ProgressRecord:
                    versions=tuple(versions), shas=tuple(shas), **_resources(obj))
 
 
-_REACH = ("", "direct", "relay", "client")
+_REACH = ("", *RECORD_VALUES)  # "": a record of an older version
 
 
 def _resources(obj: dict) -> dict:

@@ -339,7 +339,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: Le
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         fragments=parameter_indices([len(s.params) for s in state.states]),
         codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults, client_mode=client,
-        step_tokens=step_tokens,
+        step_tokens=step_tokens, limits=cfg.contribution_limits,
     )
     averaging.set_state_priority(state.version)
     return averaging
@@ -370,7 +370,7 @@ def _reach(net: NetworkConfig, dhts: list[LinkedDHT], start: Callable[..., Linke
 
 def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict[str, Any] | None,
           lineage_hash: str) -> tuple[str, Progress]:
-    wait_until_joined(dht)
+    """Our lineage and progress records, announced; after :func:`_reach` (which waited for the DHT to join)."""
     state.peer_id = str(dht.peer_id)
     peer_log.set_peer(state.peer_id[-6:])
     logger.info(f"joined DHT; visible at {[str(a) for a in dht.get_visible_maddrs()]}")

@@ -209,14 +209,15 @@ def test_members_must_agree_on_what_bounds_a_contribution():
 def test_the_averaging_layer_gathers_bounds_from_the_learners_config():
     cfg = load_learner_config(None, ["inner.batch_size=8", "model.seq_len=32", "inner.steps_per_outer=20",
                                      "sync.weighting=tokens"])
-    averaging = SimpleNamespace(cfg=cfg.averaging)
+    averaging = SimpleNamespace(cfg=cfg.averaging, limits=cfg.contribution_limits)
     rules = HivemindAveraging._rules(averaging)  # type: ignore[arg-type]
     # No swarm-wide tokens per step by default: each round takes the lower median of what members gathered.
     assert (rules.tokens_per_step, rules.max_steps, rules.weighting) == (None, 2 * 20, "tokens")
     assert agreed_rules({"a": {"rules": rules.gathered()}}, Rules()) == rules
     assert (rules.norm_outlier_factor, rules.aggregator) == (8.0, "mean")
     units = load_learner_config(None, ["averaging.max_tokens_per_step=4096"])  # a swarm with units sets its largest
-    assert HivemindAveraging._rules(SimpleNamespace(cfg=units.averaging)).tokens_per_step == 4096  # type: ignore[arg-type]
+    assert HivemindAveraging._rules(SimpleNamespace(cfg=units.averaging,
+                                                    limits=units.contribution_limits)).tokens_per_step == 4096  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="max_tokens_per_step"):
         load_learner_config(None, ["averaging.max_tokens_per_step=0"])
 

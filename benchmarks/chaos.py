@@ -37,14 +37,16 @@ import json
 import math
 import random
 import re
-import subprocess
+import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-from p2p_diloco.local_swarm import fragment_states
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import add_plot_argument, draw  # noqa: E402
+
+from p2p_diloco.local_swarm import fragment_states  # noqa: E402
+from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
@@ -186,23 +188,6 @@ def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
     }
 
 
-def figure_path(name: str) -> Path:
-    """Where ``--plot`` draws by default: benchmarks/results/NAME-DATE-COMMIT.png."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    return ROOT / "benchmarks" / "results" / f"{name}-{date.today().isoformat()}-{commit or 'unknown'}.png"
-
-
-def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
-    """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
-    from p2p_diloco.plot import PlotError, plot
-
-    path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
-    try:
-        print(f"figure: {plot([run_dir], path, title=title)}", flush=True)
-    except PlotError as e:
-        print(f"no figure for {run}: {e}", flush=True)
-
 
 def eval_at_tokens(log: Path, tokens: int) -> float | None:
     """The clean run's eval loss where its global tokens first reach ``tokens`` (from its log)."""
@@ -227,9 +212,7 @@ def main() -> None:
     ap.add_argument("--modes", default="decoupled,sync,clean,sync-clean")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
-    ap.add_argument("--plot", nargs="?", const=figure_path("chaos"), type=Path, metavar="PATH",
-                    help="draw each run's figure from its learners' audit logs (p2p_diloco.plot) to PATH-RUN.png "
-                    "(default PATH: benchmarks/results/chaos-DATE-COMMIT.png)")
+    add_plot_argument(ap, "chaos")
     args = ap.parse_args()
     schedule = failure_schedule(args.seed, args.learners, args.mtbf, args.duration)
     print(f"failure schedule (seed {args.seed}): {[(round(t, 1), i) for t, i in schedule]}", flush=True)

@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -63,6 +63,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
+from figures import add_plot_argument, draw  # noqa: E402
 
 from p2p_diloco.config import LearnerConfig, load_learner_config
 from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
@@ -99,9 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="logs, checkpoints, summaries (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir (always kept when something failed)")
     p.add_argument("--json", default=None, help="write all results here")
-    p.add_argument("--plot", nargs="?", const=figure_path("decoupled_bench"), type=Path, metavar="PATH",
-                   help="draw each swarm variant's figure from its learners' audit logs (p2p_diloco.plot) to "
-                        "PATH-VARIANT.png (default PATH: benchmarks/results/decoupled_bench-DATE-COMMIT.png)")
+    add_plot_argument(p, "decoupled_bench", run="VARIANT")
     p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="do not train: recompute the targets and tables from results files of earlier runs "
                         "(several files, e.g. variants run side by side, are merged and written to --json)")
@@ -534,23 +533,6 @@ def rerender(paths: list[Path], out: Path | None = None) -> int:
     print(res["table_markdown"])
     return 0
 
-
-def figure_path(name: str) -> Path:
-    """Where ``--plot`` draws by default: benchmarks/results/NAME-DATE-COMMIT.png."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    return ROOT / "benchmarks" / "results" / f"{name}-{date.today().isoformat()}-{commit or 'unknown'}.png"
-
-
-def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
-    """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
-    from p2p_diloco.plot import PlotError, plot
-
-    path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
-    try:
-        print(f"figure: {plot([run_dir], path, title=title)}", flush=True)
-    except PlotError as e:
-        print(f"no figure for {run}: {e}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

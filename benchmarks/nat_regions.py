@@ -26,17 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2p_diloco.processes import cli
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wan.run import FAST  # noqa: E402  (the same fast round settings as the WAN benchmark)
+
+from p2p_diloco.processes import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILED_LOGS = ROOT / "runs" / "nat-bench"
 
-FAST = [
-    "--set", "inner.steps_per_outer=20", "--set", "averaging.matchmaking_time=2.5",
-    "--set", "averaging.request_timeout=1.0", "--set", "averaging.round_timeout=10.0",
-    "--set", "network.record_ttl=8.0", "--set", "run.linger_seconds=40.0",
-    "--set", "averaging.allreduce_timeout=120.0", "--set", "averaging.next_chunk_timeout=60.0",
-]
 
 TOPOLOGY = """\
 run_id = "nat-bench"

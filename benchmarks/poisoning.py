@@ -33,12 +33,15 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import add_plot_argument, draw  # noqa: E402
+
+from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
@@ -109,23 +112,6 @@ def run(case: str, aggregator: str, versions: int, work: Path, timeout: float) -
     }
 
 
-def figure_path(name: str) -> Path:
-    """Where ``--plot`` draws by default: benchmarks/results/NAME-DATE-COMMIT.png."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    return ROOT / "benchmarks" / "results" / f"{name}-{date.today().isoformat()}-{commit or 'unknown'}.png"
-
-
-def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
-    """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
-    from p2p_diloco.plot import PlotError, plot
-
-    path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
-    try:
-        print(f"figure: {plot([run_dir], path, title=title)}", flush=True)
-    except PlotError as e:
-        print(f"no figure for {run}: {e}", flush=True)
-
 
 def table(results: list[dict]) -> str:
     """The Markdown table of BENCHMARKS.md."""
@@ -155,9 +141,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     parser.add_argument("--workdir", help="keep the runs' logs here (default: a temporary directory)")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--plot", nargs="?", const=figure_path("poisoning"), type=Path, metavar="PATH",
-                        help="draw each run's figure from its learners' audit logs (p2p_diloco.plot) to PATH-RUN.png "
-                        "(default PATH: benchmarks/results/poisoning-DATE-COMMIT.png)")
+    add_plot_argument(parser, "poisoning")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="poisoning-") as tmp:
         base = Path(args.workdir or tmp)

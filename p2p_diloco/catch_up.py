@@ -26,6 +26,7 @@ from p2p_diloco.fragments import Fragment
 from p2p_diloco.learner_state import LearnerState, same_or_behind
 from p2p_diloco.outer import GlobalState, apply_result, merge_lineages
 from p2p_diloco.progress import Progress
+from p2p_diloco.reach import reduces_and_serves
 from p2p_diloco.records import ProgressRecord
 from p2p_diloco.served import parse_download
 
@@ -54,6 +55,17 @@ class Behind:
     claims: dict[str, dict[int, int]] = field(default_factory=dict)  # peer → fragment → version its record claims
 
 
+@dataclass(frozen=True)
+class _Held:
+    """Whether a learner keeps the merge it computed, and ``why`` not."""
+
+    ok: bool
+    why: str = "no quorum computed the same merge"
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
 class CatchUp:
     """Brings the learner's fragments up to the swarm's: finds what it lacks, downloads it, adopts or merges it.
 
@@ -61,12 +73,15 @@ class CatchUp:
     """
     def __init__(self, cfg: LearnerConfig, state: LearnerState, averaging: Averaging, progress: Progress,
                  should_stop: Callable[[], bool], verifier: Verifier | None = None,
-                 certifier: Certifier | None = None, audit: Audit | None = None):
+                 certifier: Certifier | None = None, audit: Audit | None = None,
+                 on_adopt: Callable[[], None] | None = None):
         self.cfg, self.state, self.averaging, self.progress = cfg, state, averaging, progress
         self.audit = audit or Audit.disabled()  # audit.jsonl: downloads, rejections, adoptions, merges
         self.should_stop = should_stop
         self.verifier = verifier  # None: downloads are taken on their hashes alone (tests without a swarm)
         self.certifier = certifier  # signs the merges this learner computes
+        # After a state is adopted or merged (the learner checkpoints, so that a kill does not redo it)
+        self.on_adopt = on_adopt or (lambda: None)
         self.download: Download | None = None
         self.done_ahead = 0  # newest version seen in a peer that finished ("done")
         self.swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
@@ -129,7 +144,9 @@ class CatchUp:
         records = self.progress.others(fresh)
         live = {p: r for p, r in records.items() if r.status != "left"}
         self.done_ahead = max([self.done_ahead] + [r.version for r in live.values() if r.status == "done"])
-        ahead, siblings, fragments = self._compare(live)
+        # A client or relayed learner (p2p_diloco.reach) serves no state: what its record shows is held by a reachable
+        # peer too, or by nobody who can serve it (a client never merges alone, see _reconcile).
+        ahead, siblings, fragments = self._compare({p: r for p, r in live.items() if reduces_and_serves(r.reach)})
         if ahead or siblings:
             # Newest first; random among equals, so that many joiners spread over the peers that serve.
             peers = [p for p, _ in sorted(ahead.items(), key=lambda kv: kv[1], reverse=True)]
@@ -239,6 +256,7 @@ class CatchUp:
             self.averaging.set_state_priority(self.state.version)
             logger.info(f"synced global state v{self.state.version} (fragments {changed}) sha "
                         f"{self.state.whole_sha256()[:12]} from peers (local progress kept)")
+            self.on_adopt()
         return changed
 
     def _reconcile(self, frag: Fragment, theirs: GlobalState) -> bool:
@@ -250,28 +268,41 @@ class CatchUp:
             new = theirs  # ahead of us on our own lineage: catch up
         else:
             new = merge_lineages(ours, theirs)
-            self.state.counters.merges += 1
-            logger.warning(f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a "
-                           f"peer's v{theirs.version} {theirs.sha256()[:12]}; merged into v{new.version} "
-                           f"{new.sha256()[:12]} weighted by tokens")
-            self._certify_merge(frag.index, new)
+            split = (f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a peer's "
+                     f"v{theirs.version} {theirs.sha256()[:12]}")
+            held = self._certify_merge(frag.index, new)
+            if held:
+                self.state.counters.merges += 1
+                logger.warning(f"{split}; merged into v{new.version} {new.sha256()[:12]} weighted by tokens")
+            else:
+                # Kept, the merge would be a third lineage: without a quorum's certificate no peer takes it
+                # from us, and a merge that only clients hold nobody can serve; we would merge again each
+                # time we saw their state. Their state is certified: we take it, keep our local progress,
+                # and adopt the merge the others make, which descends from it.
+                new = theirs
+                logger.warning(f"{split}; {held.why}, so we take theirs")
         self.audit.adopted(frag.index, ours, theirs, new, self._how_checked)
         self._rebase_onto(frag, ours, self.state.pin(new))
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new
         return True
 
-    def _certify_merge(self, fragment: int, merged: GlobalState) -> None:
-        """Sign the merge and collect the signatures of the others that compute it (it is deterministic).
-        Without a quorum the merged state is still ours; peers then merge for themselves instead of
-        downloading it from us."""
+    def _certify_merge(self, fragment: int, merged: GlobalState) -> _Held:
+        """Sign the merge and collect the signatures of the others that compute it (it is deterministic):
+        whether we may keep it. A quorum must have signed and, if we are a client, a learner that serves
+        state among them (always kept without a certifier: tests without a swarm)."""
         if self.certifier is None:
-            return
+            return _Held(True)
         cert = self.certifier.certify(Commit(self.certifier.lineage, fragment, merged.version, merged.sha256(), ""))
         if isinstance(cert, str):
-            logger.info(f"merged state of fragment {fragment} is not certified ({cert}); peers merge on their own")
-        else:
-            merged.add_certificate(merged.version, cert.to_dict())
+            logger.info(f"merged state of fragment {fragment} is not certified ({cert})")
+            return _Held(False)
+        if self.progress.client:
+            servers = {p for p, r in self.progress.others(fresh=False).items() if reduces_and_serves(r.reach)}
+            if not servers & cert.signers():
+                return _Held(False, "no learner that serves state signed the same merge")
+        merged.add_certificate(merged.version, cert.to_dict())
+        return _Held(True)
 
     def _contributed(self, new: GlobalState, version: int) -> bool | None:
         """Whether our outer gradient is in ``version`` of ``new``: from its certificate when we verify, else

@@ -50,7 +50,8 @@ class CommitBoard:
         """Sign ``commit``, publish the signature, collect the others'; the certificate, or why it failed."""
         mine = Signature.make(self.key, commit)
         cert = Certificate(commit, (mine,))
-        everyone = max(len(commit.contributors), 1)
+        # A merge of lineages names no contributors: it waits for a quorum like a round of K.
+        everyone = max(len(commit.contributors), self.quorum, 1)
         if everyone <= 1 and self.quorum <= 1:
             return cert  # a round of one: our own signature is the whole certificate
         key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"

@@ -237,8 +237,8 @@ class RunConfig(_Section):
                                   "below this")
     checkpoint_dir: str | None = None
     checkpoint_on_commit: bool = Field(
-        True, description="also checkpoint right after each committed round, not only after each outer step: a "
-                          "kill then loses only the steps since the last merge")
+        True, description="also checkpoint right after each committed round and each state taken from peers, not "
+                          "only after each outer step: a kill then loses only the steps since the last merge")
     eval_every: int = Field(1, ge=1, description="outer steps between evals (the progress line's eval_loss and the "
                                                  "stop_at_eval_loss check)")
     resume: bool = False

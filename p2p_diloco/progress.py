@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from p2p_diloco.audit import Audit
 from p2p_diloco.faults import LIE_VERSIONS, FaultPlan
 from p2p_diloco.learner_state import LearnerState
+from p2p_diloco.reach import reduces_and_serves
 from p2p_diloco.records import ProgressBoard, ProgressRecord, Status
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ class Progress:
 
     def _say_if_only_clients(self, live: list[ProgressRecord]) -> None:
         """One line when every other ``live`` learner is a client too (no group can form), one when that ends."""
-        only = bool(live) and all(r.reach == "client" for r in live)
+        only = bool(live) and not any(reduces_and_serves(r.reach) for r in live)
         if only and not self._only_clients:
             logger.warning(f"only client-mode learners are visible ({len(live)}): a group needs a reachable member "
                            "to lead and reduce; no round can form until one joins")

@@ -43,12 +43,19 @@ CHECK = "p2p_diloco.reach.check"  # the handler that dials a peer back
 DIRECT, RELAY, CLIENT = "direct", "relay", "client only"
 MODES = (DIRECT, RELAY, CLIENT)
 RECORD_VALUES = ("direct", "relay", "client")  # the ``reach`` field of progress records, one per mode
+
 _MAX_ADDRS = 8  # addresses a question may name
 _MAX_ADDR_BYTES = 256
 _COOLDOWN = 10.0  # seconds before the same peer may ask again
 # A daemon that only dials: no listening, no relay, no NAT tricks (as Petals' reachability probe).
 _PROBE_ARGS: dict[str, Any] = dict(dht_mode="client", use_relay=False, auto_nat=False, nat_port_map=False,
                                    no_listen=True, startup_timeout=30)
+
+
+def reduces_and_serves(record_value: str) -> bool:
+    """Whether peers dial a learner whose record says ``reach=record_value``, so that it reduces in groups and
+    serves its state ("": not said, assumed so); a client or relayed learner does neither."""
+    return record_value not in RECORD_VALUES[1:]
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     board = CommitBoard(dht, lineage, key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout)
     verifier = Verifier(lineage, cfg.averaging.min_group_size, admission.allowed)
     catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving, verifier=verifier, certifier=board,
-                       audit=audit)
+                       audit=audit, on_adopt=on_commit if cfg.run.checkpoint_on_commit else None)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                         min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
     rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit,

@@ -43,21 +43,24 @@ class Swarm:
         self.procs.append(self.bootstrap)
         return self.bootstrap_addr
 
-    def spawn(self, name: str, args: list[str]) -> Proc:
-        """Run ``p2p-diloco ARGS...``, logging to ``tmp/NAME.log``; killed by :meth:`close`."""
-        p = Proc(name, cli(*args), self.tmp / f"{name}.log")
+    def spawn(self, name: str, args: list[str], append: bool = False) -> Proc:
+        """Run ``p2p-diloco ARGS...``, logging to ``tmp/NAME.log`` (after what is there if ``append``);
+        killed by :meth:`close`."""
+        p = Proc(name, cli(*args), self.tmp / f"{name}.log", append=append)
         self.procs.append(p)
         return p
 
-    def start_learner(self, i: int, max_outer_steps: int, extra: Sequence[str] = (), peers: str | None = None) -> Proc:
-        """Learner ``i`` on shard ``i`` of 4 with the fast settings, joining ``peers`` (default: our bootstrap)."""
+    def start_learner(self, i: int, max_outer_steps: int, extra: Sequence[str] = (), peers: str | None = None,
+                      append: bool = False) -> Proc:
+        """Learner ``i`` on shard ``i`` of 4 with the fast settings, joining ``peers`` (default: our bootstrap);
+        ``append``: its log goes on after an earlier learner ``i``'s (a restart)."""
         args = [
             "learner", "--config", SMALL, "--initial-peers", peers or self.bootstrap_addr,
             "--host-maddrs", LOOPBACK_ANY_PORT, "--shard-index", str(i), "--num-shards", "4",
             "--max-outer-steps", str(max_outer_steps), "--checkpoint-dir", str(self.tmp / f"ckpt-{i}"),
             "--summary", str(self.summary_path(i)), *FAST, *extra,
         ]
-        return self.spawn(f"learner-{i}", args)
+        return self.spawn(f"learner-{i}", args, append)
 
     def summary_path(self, i: int) -> Path:
         return self.tmp / f"summary-{i}.json"

@@ -123,13 +123,17 @@ def test_killed_after_its_round_averaged_comes_back_without_contributing_it_twic
     progress out of what it contributes next."""
     two = ["--set", "sync.fragments=2"]
     swarm.start_bootstrap()
-    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 2, extra=two) for i in range(2)]
     fault = ["--fault", "kill at round 2 during commit"]
+    # The victim starts first, so that it is in the rounds to version 1 (and checkpoints) even when a
+    # loaded machine is slow to start it; a victim that joins at version 1 has nothing to resume from.
     victim = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=[*two, *fault])
+    wait_until(lambda: "joined DHT" in victim.text(), 120, victim, "the victim joining the DHT")
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET + 2, extra=two) for i in range(2)]
     assert victim.wait(200) == -signal.SIGKILL, victim.text()
-    back = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=[*two, "--resume"])
+    back = swarm.start_learner(2, max_outer_steps=TARGET + 2, extra=[*two, "--resume"], append=True)
     for p in [*learners, back]:
         assert p.wait(240) == 0, p.text()
+    assert "resumed from" in back.text(), back.text()
     assert re.search(r"our outer gradient from version 1 \(\d+ steps\) is in version 2", back.text()), back.text()
     summaries = _assert_one_lineage(swarm, range(3), TARGET + 2)
     assert summaries[2]["contributions_confirmed"] >= 1

@@ -24,7 +24,9 @@ def test_partitioned_halves_merge_back_into_one_lineage(swarm):
     side_b = maddrs_b.read_text().split()[0]
     target = 10
     a = [swarm.start_learner(i, max_outer_steps=target, peers=side_a) for i in (0, 1)]
-    b = [swarm.start_learner(i, max_outer_steps=target, peers=side_b) for i in (2, 3)]
+    # One learner of side b is a client (as behind NAT): it cannot serve its side's lineage, only take a's.
+    b = [swarm.start_learner(2, max_outer_steps=target, peers=side_b),
+         swarm.start_learner(3, max_outer_steps=target, peers=side_b, extra=["--set", "network.client_mode=true"])]
     wait_until(lambda: all(committed_version(p) >= 2 for p in [*a, *b]), 200, None, "both sides at version 2")
     # Heal: a DHT node that knows both sides joins, and the two DHTs become one.
     bridge = swarm.spawn("bridge", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers",
@@ -34,8 +36,12 @@ def test_partitioned_halves_merge_back_into_one_lineage(swarm):
     assert bridge.popen.poll() is None, bridge.text()
     summaries = [json.loads(swarm.summary_path(i).read_text()) for i in range(4)]
     assert len({s["global_state_sha256"] for s in summaries}) == 1, summaries
-    assert sum(s["merges"] for s in summaries) >= 1
-    assert any("split brain on fragment 0" in p.text() for p in [*a, *b])
+    # Healed by a merge that a quorum signed, or by side b taking side a's state where its merge lacked
+    # one (docs/resilience.md, "Split brain").
+    logs = [p.text() for p in [*a, *b]]
+    assert any("split brain on fragment 0" in t for t in logs)
+    assert sum(s["merges"] for s in summaries) >= 1 or any("so we take theirs" in t for t in logs), summaries
+    assert "reachable: client only" in b[1].text()
     # Eval loss after the merge did not jump above where either side was before it.
     for p in [*a, *b]:
         losses = [float(x) for x in re.findall(r"outer step done \| version \d+ .*?eval_loss (\d+\.\d+)", p.text())]

@@ -137,3 +137,24 @@ def test_a_commit_without_a_quorum_fails_at_the_deadline(peers):
     alone = CommitBoard(_Dht({}, b"me"), "run-lin", peers[0][1], quorum=1)
     cert = alone.certify(Commit("run-lin", 0, 5, SHA, PARENT, (peers[0][0],)))
     assert isinstance(cert, Certificate) and cert.signers() == {peers[0][0]}
+
+
+def test_a_merge_waits_for_a_quorum_of_signers_though_it_names_no_contributors(peers):
+    merge = Commit("run-lin", 0, 9, SHA, "", ())
+    alone = CommitBoard(_Dht({}, b"me"), "run-lin", peers[0][1], quorum=2, timeout=0.2, poll=0.01)
+    out = alone.certify(merge)
+    assert isinstance(out, str) and "1 of the quorum 2 signatures" in out  # our own signature is not a quorum
+    shared: dict = {}
+    boards = [CommitBoard(_Dht(shared, f"owner-{i}".encode()), "run-lin", peers[i][1], quorum=2, timeout=5,
+                          poll=0.01) for i in range(2)]
+    results = [None, None]
+
+    def go(i):
+        results[i] = boards[i].certify(merge)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    for r in results:
+        assert isinstance(r, Certificate) and len(r.signers()) == 2, r
+        assert Verifier("run-lin", 2).check(0, 9, SHA, [r.to_dict()]) == ""

@@ -123,3 +123,13 @@ def test_a_download_is_taken_from_the_first_peer_that_serves_a_newer_verified_st
     got = catch_up.fetch(["liar"], [0, 1])
     assert sorted(got) == [0, 1] and got[0].sha256() == theirs[0].sha256()
     assert [s.sha256() for s in catch_up.state.states] == [s.sha256() for s in ours]  # fetch changes nothing
+
+
+def test_clients_and_relayed_learners_are_not_taken_as_download_sources():
+    ahead = {reach: ProgressRecord(9, "0" * 64, 10, "running", versions=(9, 9), shas=("a" * 64, "b" * 64), reach=reach)
+             for reach in ("client", "relay", "direct", "")}
+    only_clients = catch_up_with({"c": ahead["client"], "r": ahead["relay"]}, stop_at=None)
+    assert only_clients.behind().fragments == []  # what they show is held by a reachable peer, or by nobody
+    mixed = catch_up_with({"c": ahead["client"], "d": ahead["direct"], "old": ahead[""]}, stop_at=None)
+    behind = mixed.behind()
+    assert sorted(behind.peers) == ["d", "old"] and behind.fragments == [0, 1]

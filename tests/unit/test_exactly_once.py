@@ -18,6 +18,7 @@ from p2p_diloco.grace import GraceWindow
 from p2p_diloco.learner_state import LearnerState, Unconfirmed
 from p2p_diloco.outer import CONTRIBUTOR_VERSIONS, GlobalState, OuterOptimizer, merge_lineages
 from p2p_diloco.progress import Progress
+from p2p_diloco.records import ProgressRecord
 from p2p_diloco.round import RoundOutcome, Stage
 from p2p_diloco.rounds import InFlight, Rounds
 from p2p_diloco.served import parse_download
@@ -239,3 +240,52 @@ def test_a_step_cancelled_in_the_averager_is_a_failed_round_not_a_crash():
                      averaging=Cancelled(), local_params=[torch.ones(3)], tokens=64, inner_steps=1)
     out = rnd.run()
     assert not out.committed and "CancelledError" in out.reason
+
+
+class _Certifier:
+    """Stands in for the commit board: the certificate (or the reason there is none) a merge gets."""
+
+    lineage = "run-lin"
+
+    def __init__(self, signers):
+        self.signers = signers
+
+    def certify(self, commit):
+        if len(self.signers) < 2:
+            return "commit not certified: 1 of the quorum 2 signatures within 10 s"
+        return SimpleNamespace(signers=lambda admitted=None: set(self.signers),
+                               to_dict=lambda: {"commit": {"version": commit.version}, "signatures": []})
+
+
+@pytest.mark.parametrize(("client", "signers", "kept"), [
+    (False, ["me", "other"], True),  # a quorum computed the same merge
+    (False, ["me"], False),  # nobody else did: peers would refuse it
+    (True, ["me", "server"], True),  # a learner that serves state holds it too
+    (True, ["me", "client-2"], False),  # only clients hold it: nobody could serve it
+])
+def test_a_merge_of_sibling_lineages_is_kept_only_if_others_hold_it(client, signers, kept, caplog):
+    """Otherwise it would be a third lineage: the learner takes the sibling instead (keeping its local
+    progress) and adopts the merge the others make."""
+    state, catch_up, _ = _parts()
+    catch_up.progress.client = client
+    reach = {"other": "direct", "server": "direct", "client-2": "client"}
+    catch_up.progress.board = SimpleNamespace(read=lambda: {
+        p: ProgressRecord(4, "0" * 64, 10, "running", reach=r) for p, r in reach.items()})
+    catch_up.certifier = _Certifier(signers)
+    frag = state.fragments[0]
+    state.states[0] = _state(1.0, 4)
+    state.states[0].tokens = 100
+    with torch.no_grad():
+        state.local(frag)[0].fill_(1.5)  # half a unit of local progress on top of Θ = 1
+    theirs = GlobalState(params=[torch.full((3,), 3.0)], momentum=[torch.zeros(3)], version=4, tokens=100)
+    theirs.remember()  # a sibling: same version, another history
+    with caplog.at_level(logging.INFO, logger="p2p_diloco.catch_up"):
+        assert catch_up._reconcile(frag, theirs)
+    new = state.states[0]
+    if kept:
+        assert new.version == 5 and torch.allclose(new.params[0], torch.full((3,), 2.0))  # token-weighted mean
+        assert state.counters.merges == 1 and new.descends_from(4, theirs.sha256()) and new.certificates
+    else:
+        assert new.sha256() == theirs.sha256() and state.counters.merges == 0
+        assert "so we take theirs" in caplog.text
+    assert torch.allclose(state.local(frag)[0].detach(), new.params[0] + 0.5)  # local progress kept

@@ -75,14 +75,16 @@ def test_a_learner_killed_after_a_merge_keeps_that_merge_in_its_checkpoint(swarm
 @pytest.mark.timeout(300)
 def test_a_learner_that_leaves_hands_its_unmerged_steps_to_the_swarm(swarm):
     """SIGTERM on the clock schedule with overlap: the leaver joins each fragment's next slot (where
-    the learner that stays meets it) before it exits, so none of its steps is left unmerged."""
+    the learner that stays meets it) before it exits, so none of its steps is left unmerged. The
+    parting budget leaves room for one missed slot per fragment (a loaded machine can make the one
+    that stays late for a slot: seen once in CI with the default 20 s)."""
     clock = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=2", "--set", "sync.schedule=clock",
-             "--set", "sync.period_seconds=8", "--set", "sync.apply_policy=mix"]
+             "--set", "sync.period_seconds=8", "--set", "sync.apply_policy=mix", "--set", "run.drain_seconds=45"]
     swarm.start_bootstrap()
     stays, leaves = (swarm.start_learner(i, max_outer_steps=100, extra=clock) for i in range(2))
     wait_until(lambda: committed_version(leaves) >= 1, 150, leaves, "version 1")
     leaves.popen.send_signal(signal.SIGTERM)
-    assert leaves.wait(60) == 0, leaves.text()
+    assert leaves.wait(90) == 0, leaves.text()
     assert "every fragment's steps merged" in leaves.text(), leaves.text()
     gone = swarm.summary(1)
     assert gone["steps_merged"] == gone["inner_steps"], gone

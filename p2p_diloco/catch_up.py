@@ -55,17 +55,6 @@ class Behind:
     claims: dict[str, dict[int, int]] = field(default_factory=dict)  # peer → fragment → version its record claims
 
 
-@dataclass(frozen=True)
-class _Held:
-    """Whether a learner keeps the merge it computed, and ``why`` not."""
-
-    ok: bool
-    why: str = "no quorum computed the same merge"
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
 class CatchUp:
     """Brings the learner's fragments up to the swarm's: finds what it lacks, downloads it, adopts or merges it.
 
@@ -145,7 +134,7 @@ class CatchUp:
         live = {p: r for p, r in records.items() if r.status != "left"}
         self.done_ahead = max([self.done_ahead] + [r.version for r in live.values() if r.status == "done"])
         # A client or relayed learner (p2p_diloco.reach) serves no state: what its record shows is held by a reachable
-        # peer too, or by nobody who can serve it (a client never merges alone, see _reconcile).
+        # peer too, or by nobody who can serve it (a client keeps no merge that no such peer signed, see _reconcile).
         ahead, siblings, fragments = self._compare({p: r for p, r in live.items() if reduces_and_serves(r.reach)})
         if ahead or siblings:
             # Newest first; random among equals, so that many joiners spread over the peers that serve.
@@ -270,8 +259,8 @@ class CatchUp:
             new = merge_lineages(ours, theirs)
             split = (f"split brain on fragment {frag.index}: ours v{ours.version} {ours.sha256()[:12]}, a peer's "
                      f"v{theirs.version} {theirs.sha256()[:12]}")
-            held = self._certify_merge(frag.index, new)
-            if held:
+            why_not = self._certify_merge(frag.index, new)
+            if not why_not:
                 self.state.counters.merges += 1
                 logger.warning(f"{split}; merged into v{new.version} {new.sha256()[:12]} weighted by tokens")
             else:
@@ -280,29 +269,29 @@ class CatchUp:
                 # time we saw their state. Their state is certified: we take it, keep our local progress,
                 # and adopt the merge the others make, which descends from it.
                 new = theirs
-                logger.warning(f"{split}; {held.why}, so we take theirs")
+                logger.warning(f"{split}; {why_not}, so we take theirs")
         self.audit.adopted(frag.index, ours, theirs, new, self._how_checked)
         self._rebase_onto(frag, ours, self.state.pin(new))
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new
         return True
 
-    def _certify_merge(self, fragment: int, merged: GlobalState) -> _Held:
+    def _certify_merge(self, fragment: int, merged: GlobalState) -> str:
         """Sign the merge and collect the signatures of the others that compute it (it is deterministic):
-        whether we may keep it. A quorum must have signed and, if we are a client, a learner that serves
-        state among them (always kept without a certifier: tests without a swarm)."""
+        why we may not keep it ("" if we may). A quorum must have signed and, if we are a client, a learner
+        that serves state among them (always kept without a certifier: tests without a swarm)."""
         if self.certifier is None:
-            return _Held(True)
+            return ""
         cert = self.certifier.certify(Commit(self.certifier.lineage, fragment, merged.version, merged.sha256(), ""))
         if isinstance(cert, str):
             logger.info(f"merged state of fragment {fragment} is not certified ({cert})")
-            return _Held(False)
+            return "no quorum computed the same merge"
         if self.progress.client:
             servers = {p for p, r in self.progress.others(fresh=False).items() if reduces_and_serves(r.reach)}
             if not servers & cert.signers():
-                return _Held(False, "no learner that serves state signed the same merge")
+                return "no learner that serves state signed the same merge"
         merged.add_certificate(merged.version, cert.to_dict())
-        return _Held(True)
+        return ""
 
     def _contributed(self, new: GlobalState, version: int) -> bool | None:
         """Whether our outer gradient is in ``version`` of ``new``: from its certificate when we verify, else

@@ -52,7 +52,7 @@ class CommitBoard:
         cert = Certificate(commit, (mine,))
         # A merge of lineages names no contributors: it waits for a quorum like a round of K.
         everyone = max(len(commit.contributors), self.quorum, 1)
-        if everyone <= 1 and self.quorum <= 1:
+        if everyone <= 1:
             return cert  # a round of one: our own signature is the whole certificate
         key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"
         value = msgpack.packb({"commit": commit.to_dict(), "signature": mine.to_list()}, use_bin_type=True)

@@ -43,7 +43,6 @@ CHECK = "p2p_diloco.reach.check"  # the handler that dials a peer back
 DIRECT, RELAY, CLIENT = "direct", "relay", "client only"
 MODES = (DIRECT, RELAY, CLIENT)
 RECORD_VALUES = ("direct", "relay", "client")  # the ``reach`` field of progress records, one per mode
-
 _MAX_ADDRS = 8  # addresses a question may name
 _MAX_ADDR_BYTES = 256
 _COOLDOWN = 10.0  # seconds before the same peer may ask again

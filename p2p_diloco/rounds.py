@@ -70,7 +70,7 @@ class Rounds:
     clock: ClockSchedule | None
     catch_up: CatchUp
     progress: Progress
-    on_commit: Callable[[], None]  # after a commit is applied (the learner checkpoints)
+    on_commit: Callable[[], None]  # after a commit is applied (the learner checkpoints, with run.checkpoint_on_commit)
     certifier: Certifier | None = None  # signs what a round commits (None: no certificates, for tests)
     inflight: InFlight | None = None
     detached: InFlight | None = None  # a round we stopped waiting for at τ; still running
@@ -187,8 +187,7 @@ class Rounds:
         self.out_of_phase = False
         self.state.refresh_served()
         self.averaging.set_state_priority(self.state.version)
-        if self.cfg.run.checkpoint_on_commit:
-            self.on_commit()
+        self.on_commit()
 
     def _failed(self) -> None:
         self.state.counters.rounds_failed += 1

@@ -302,11 +302,13 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     closer.callback(writer.close, timeout=120)  # a snapshot still waiting is written before the lock goes
     board = CommitBoard(dht, lineage, key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout)
     verifier = Verifier(lineage, cfg.averaging.min_group_size, admission.allowed)
+    # After a commit or a state taken from peers: checkpoint (run.checkpoint_on_commit), else nothing.
+    after_merge = on_commit if cfg.run.checkpoint_on_commit else (lambda: None)
     catch_up = CatchUp(cfg, state, averaging, progress, should_stop=leaving, verifier=verifier, certifier=board,
-                       audit=audit, on_adopt=on_commit if cfg.run.checkpoint_on_commit else None)
+                       audit=audit, on_adopt=after_merge)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                         min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
-    rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, on_commit,
+    rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, after_merge,
                     certifier=board, metrics=metrics, audit=audit)
     now = time.monotonic()
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "

@@ -23,6 +23,15 @@ first start-up (process start to its first inner step, the same in every mode an
 long run); restarts after a kill still count in full. Cost per kill = (the mode's failure-free
 goodput − its goodput) × M × wall time / failures, in learner-seconds.
 
+``goodput_live`` divides the same merged work by the learner-seconds in which learners were alive:
+a killed learner's downtime (kill to restart) leaves the denominator, in both modes, and is reported
+on its own (``downtime_learner_seconds``). Restart and start-up time stay in it (the learner is
+alive, and not training). ``reintegration_seconds`` lists, per restart, the seconds from the restart
+to the restarted learner's first committed round (its steps reach the model again; None: never).
+
+``--extra-step-seconds S`` slows every inner step by S seconds of sleep, so that more learners fit
+on few cores; ``real_compute_share`` says how much of a step was computing.
+
     python benchmarks/chaos.py --learners 4 --duration 150 --mtbf 60 --seed 0 --json benchmarks/results/chaos.json
 
 ``--plot [PATH]`` draws each mode's learners from their audit logs (``p2p-diloco plot``); a killed and
@@ -74,6 +83,7 @@ DECOUPLED = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=25", "--s
 MODES = {"decoupled": DECOUPLED, "clean": DECOUPLED}
 FAILURE_FREE = {"decoupled": "clean", "sync": "sync-clean"}
 READY = re.compile(r"eval_loss \d+\.\d+ before training")
+BACK = re.compile(r"outer round committed \| version")  # a restarted learner's steps reach the model again
 
 
 def sync_mode(m: int) -> list[str]:
@@ -93,13 +103,33 @@ def failure_schedule(seed: int, m: int, mtbf: float, duration: float) -> list[tu
         out.append((t, rng.randrange(m)))
 
 
-def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work: Path) -> dict:
+class LiveTime:
+    """Learner-seconds alive: each learner is alive from its (re)start to its kill or the end of the run."""
+
+    def __init__(self, m: int) -> None:
+        self.since: dict[int, float] = {i: 0.0 for i in range(m)}  # alive learner → when its process started
+        self.seconds = [0.0] * m
+
+    def killed(self, i: int, now: float) -> None:
+        if i in self.since:
+            self.seconds[i] += now - self.since.pop(i)
+
+    def restarted(self, i: int, now: float) -> None:
+        self.since.setdefault(i, now)
+
+    def total(self, end: float) -> float:
+        return sum(self.seconds) + sum(max(0.0, end - t) for t in self.since.values())
+
+
+def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work: Path,
+             extra_step: float = 0.0) -> dict:
     if work.exists() and any(work.iterdir()):
         # Learners start with --resume and summaries are read back: an old run's files would leak in.
         raise SystemExit(f"error: {work} is not empty (an earlier run's checkpoints would be resumed)")
     work.mkdir(parents=True, exist_ok=True)
     boot, peers = start_bootstrap(work)
-    extra = [*(sync_mode(m) if mode.startswith("sync") else MODES[mode]), "--set", f"averaging.target_group_size={m}"]
+    extra = [*(sync_mode(m) if mode.startswith("sync") else MODES[mode]), "--set", f"averaging.target_group_size={m}",
+             "--set", f"inner.extra_step_seconds={extra_step}"]
 
     def start(i: int) -> Proc:
         # Appended: a restart keeps its killed predecessor's lines, which the statistics below count.
@@ -115,6 +145,8 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     t0 = time.monotonic()
     pending = list(schedule) if not mode.endswith("clean") else []
     startup: dict[int, float] = {}  # learner → end of its first start-up (first inner step, or its first kill)
+    live = LiveTime(m)
+    comebacks: list[dict] = []  # per restart: learner, when, where its log went on, when it was back
     try:
         while (now := time.monotonic() - t0) < duration:
             for i in set(range(m)) - set(startup):
@@ -125,12 +157,18 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
                 startup.setdefault(i, now)
                 if learners[i].alive():
                     learners[i].kill_group()
+                    live.killed(i, now)
                     failures += 1
                     restarts.append((now + downtime, i))
             for when, i in list(restarts):
                 if when <= now:
                     restarts.remove((when, i))
+                    comebacks.append({"learner": i, "at": now, "offset": len(learners[i].text()), "back": None})
                     learners[i] = start(i)
+                    live.restarted(i, now)
+            for c in comebacks:
+                if c["back"] is None and BACK.search(learners[c["learner"]].text()[c["offset"]:]):
+                    c["back"] = now
             time.sleep(0.2)
     finally:
         stop_procs(learners, grace=40)
@@ -144,6 +182,15 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     after_start = sum(duration - startup.get(i, duration) for i in range(m))
     result["startup_seconds"] = [round(startup[i], 1) if i in startup else None for i in range(m)]
     result["goodput_after_start"] = result["goodput"] * m * duration / after_start if after_start else None
+    live_seconds = live.total(duration)
+    result["live_learner_seconds"] = round(live_seconds, 1)
+    result["downtime_learner_seconds"] = round(m * duration - live_seconds, 1)
+    result["goodput_live"] = result["goodput"] * m * duration / live_seconds if live_seconds else None
+    result["reintegration_seconds"] = [None if c["back"] is None else round(c["back"] - c["at"], 1)
+                                       for c in comebacks]
+    result["extra_step_seconds"] = extra_step
+    step = result["seconds_per_step"]
+    result["real_compute_share"] = (step - extra_step) / step if step else None
     return result
 
 
@@ -162,13 +209,14 @@ def _counters(work: Path, i: int, summary: dict | None) -> dict | None:
 
 
 def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
-    useful = merged = computed = 0.0
+    useful = merged = computed = compute_seconds = 0.0
     for i, s in enumerate(summaries):
         c = _counters(work, i, s)
         if c and c["inner_steps"]:
             useful += c["steps_merged"] * c["compute_seconds"] / c["inner_steps"]
             merged += c["steps_merged"]
             computed += c["inner_steps"]
+            compute_seconds += c["compute_seconds"]
     valid = [s for s in summaries if s]
     top = max((s["version"] for s in valid), default=0)
     # One lineage: learners holding the same version of a fragment hold the same bytes of it.
@@ -185,6 +233,7 @@ def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
         "global_tokens": max((s["global_tokens"] for s in valid), default=0),
         "reintegrations": reintegrations,
         "summaries_missing": sum(s is None for s in summaries),
+        "seconds_per_step": compute_seconds / computed if computed else None,
     }
 
 
@@ -209,6 +258,8 @@ def main() -> None:
     ap.add_argument("--mtbf", type=float, default=60.0, help="mean seconds between failures of one learner")
     ap.add_argument("--downtime", type=float, default=10.0, help="seconds before a killed learner restarts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extra-step-seconds", type=float, default=0.0,
+                    help="sleep this long in every inner step (inner.extra_step_seconds), to fit more learners")
     ap.add_argument("--modes", default="decoupled,sync,clean,sync-clean")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
@@ -221,7 +272,8 @@ def main() -> None:
     with workdir as tmp:
         for mode in args.modes.split(","):
             print(f"running {mode} ...", flush=True)
-            r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode)
+            r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode,
+                         args.extra_step_seconds)
             results.append(r)
             print(json.dumps(r), flush=True)
             if args.plot:
@@ -239,16 +291,19 @@ def main() -> None:
                 if r["mode"] != "clean" and r["global_tokens"]:
                     r["clean_eval_at_same_tokens"] = eval_at_tokens(Path(tmp) / "clean" / "learner-0.log",
                                                                     r["global_tokens"])
-    print("\n| mode | learners | failures | goodput | after start-up | cost per kill (learner-s) | "
-          "merged / computed steps | version | lineages | NaN | eval loss | clean eval @ same tokens | "
-          "re-integrations |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| mode | learners | failures | goodput | after start-up | live goodput | downtime (learner-s) | "
+          "cost per kill (learner-s) | merged / computed steps | version | lineages | NaN | eval loss | "
+          "clean eval @ same tokens | re-integrations | restart to first commit (s) | real compute per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ce, cost = r.get("clean_eval_at_same_tokens"), r.get("cost_per_kill_learner_seconds")
+        back = ", ".join("never" if x is None else f"{x:g}" for x in r["reintegration_seconds"]) or "-"
         print(f"| {r['mode']} | {r['learners']} | {r['failures']} | {r['goodput']:.1%} | "
-              f"{_pct(r['goodput_after_start'])} | {'-' if cost is None else f'{cost:.0f}'} | "
+              f"{_pct(r['goodput_after_start'])} | {_pct(r['goodput_live'])} | {r['downtime_learner_seconds']:.0f} | "
+              f"{'-' if cost is None else f'{cost:.0f}'} | "
               f"{r['merged_fraction_of_computed_steps']:.1%} | {r['version']} | {r['lineages']} | {r['nan']} | "
-              f"{r['final_eval_loss']:.4f} | {'-' if ce is None else f'{ce:.4f}'} | {r['reintegrations']} |")
+              f"{r['final_eval_loss']:.4f} | {'-' if ce is None else f'{ce:.4f}'} | {r['reintegrations']} | "
+              f"{back} | {_pct(r['real_compute_share'])} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))

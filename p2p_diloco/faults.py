@@ -8,8 +8,10 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     poison at round R with nan|flip|scale X
     lie at round R with ahead|state|weight
 
-A *round R* is the round that produces global version R of a fragment (the R-th outer step).
-STAGE names where in the learner's life the fault fires:
+A *round R* is the round that produces global version R of a fragment (the R-th outer step). A fault
+fires once, the first time the learner reaches its STAGE in round R **or a later one**: a learner
+that took version R from its peers (it started late, or its round failed) meets the fault in its
+next round instead of never. STAGE names where in the learner's life the fault fires:
 
 =============  ===========================================================================
 inner          during the inner steps that lead up to round R
@@ -20,7 +22,7 @@ receive        while receiving averaged shards back (after the first one arrived
 commit         after every averaged shard arrived, before the learner applies the round (the
                others commit it with this learner's outer gradient in it)
 checkpoint     in the middle of writing the checkpoint after round R (temporary file written)
-serve          while serving its global state to a learner that downloads it (any round >= R)
+serve          while serving its global state to a learner that downloads it
 =============  ===========================================================================
 
 ``kill`` is SIGKILL of the learner process (its DHT, averager and p2pd die with it).
@@ -155,8 +157,7 @@ class FaultPlan:
 
     def _next(self, stage: str, round_: int) -> int | None:
         for i, f in enumerate(self.faults):
-            matches = f.round == round_ or (stage == "serve" and round_ >= f.round)
-            if f.stage == stage and matches and i not in self._fired:
+            if f.stage == stage and round_ >= f.round and i not in self._fired:
                 return i
         return None
 

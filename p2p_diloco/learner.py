@@ -40,6 +40,7 @@ from p2p_diloco.faults import FaultPlan
 from p2p_diloco.leader import Solo, UnitHooks
 from p2p_diloco.parting import Leaving, hand_over, linger
 from p2p_diloco.startup import Parts, set_up
+from p2p_diloco.traffic import read_traffic
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,16 @@ class Learner:
             "versions": [s.version for s in states], "global_tokens": min(s.tokens for s in states),
             "fragment_sha256": [s.sha256() for s in states], "global_state_sha256": p.state.whole_sha256(),
             **p.trainer.report(c.tokens, c.train_seconds),  # device, precision, parameters, tokens/s, MFU
+            "dht_traffic": self._dht_traffic(),
         }
+
+    def _dht_traffic(self) -> dict[str, dict[str, int]]:
+        """The DHT process's RPC counts (p2p_diloco/traffic.py); ``{}`` if it cannot answer."""
+        try:
+            return read_traffic(self.parts.dht)
+        except Exception as e:  # noqa: BLE001 - a summary without them beats no summary
+            logger.warning(f"could not read the DHT's traffic for the summary: {type(e).__name__}: {e}")
+            return {}
 
     def _shutdown(self) -> None:
         self.unit.close()  # a unit's other workers leave with us

@@ -25,6 +25,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from p2p_diloco.admission import Admission, gated_p2p
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.signed_records import IdentityKey, OwnedRecords, owner_marker
+from p2p_diloco.traffic import counting_p2p
 
 _PR_SET_PDEATHSIG = 1
 _ALIVE_CHECK_SECONDS = 1.0
@@ -92,11 +93,11 @@ class LinkedDHT(hivemind.DHT):
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
-        if self.admission.private:
-            # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes a gated one.
-            import hivemind.dht.node
+        # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes one that
+        # counts its RPCs (p2p_diloco/traffic.py) and, in a private swarm, is gated.
+        import hivemind.dht.node
 
-            hivemind.dht.node.P2P = gated_p2p(self.admission)
+        hivemind.dht.node.P2P = counting_p2p(gated_p2p(self.admission))
         super().run()
 
     async def replicate_p2p(self) -> hivemind.P2P:

@@ -41,7 +41,8 @@ class Progress:
         self.client = False  # we average as a client (p2p_diloco.reach): a group needs a reachable member
         self._only_clients = False
         self.audit = Audit.disabled()  # where the joins and leaves the heartbeat sees go (set once the log is open)
-        self.metrics: Metrics | None = None  # told how many other learners are visible
+        self.metrics: Metrics | None = None  # told how many other learners are visible, and the DHT's traffic
+        self.traffic: Callable[[], dict[str, dict[str, int]]] = dict  # the DHT's RPC counts (traffic.read_traffic)
         self.swarm = SwarmWatch(gone_after=2 * record_ttl)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
@@ -110,10 +111,15 @@ class Progress:
 
     def _watch(self, records: dict[str, ProgressRecord], live: list[ProgressRecord]) -> None:
         """Audit the joins and leaves ``records`` show (debounced by :class:`SwarmWatch`); count the ``live``
-        other learners among them."""
+        other learners among them, and the DHT's traffic, in the metrics."""
         me = self.state.peer_id
-        if self.metrics is not None and records:
-            self.metrics.peers_visible(len(live))
+        if self.metrics is not None:
+            if records:
+                self.metrics.peers_visible(len(live))
+            try:
+                self.metrics.dht_traffic(self.traffic())
+            except Exception as e:  # noqa: BLE001 - the DHT process going away mid-read costs one update
+                logger.debug(f"could not read the DHT's traffic: {type(e).__name__}: {e}")
         for peer, event, fields in self.swarm.update(records, me, time.monotonic()):
             logger.info(f"learner {peer[-6:]} {event}" + (" (it was there when we started)"
                                                          if fields.get("already_there") else ""))

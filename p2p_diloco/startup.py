@@ -56,6 +56,7 @@ from p2p_diloco.rounds import Rounds
 from p2p_diloco.served import parameter_indices
 from p2p_diloco.signed_records import IdentityKey
 from p2p_diloco.tokenizer import Tokenizer, load_tokenizer
+from p2p_diloco.traffic import read_traffic
 from p2p_diloco.trainer import Trainer, resolve_placement
 
 logger = logging.getLogger(__name__)
@@ -290,6 +291,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
                        shard=data.shard, versions=[s.version for s in state.states], checkpoint=payload is not None)
     closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
     progress.audit, progress.metrics, audit.on_record = audit, metrics, metrics.audited
+    progress.traffic = functools.partial(read_traffic, dht)
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
                 f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
     averager = time.monotonic()

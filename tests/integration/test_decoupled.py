@@ -69,7 +69,9 @@ def test_a_learner_killed_after_a_merge_keeps_that_merge_in_its_checkpoint(swarm
         assert p.wait(240) == 0, p.text()
         # run.eval_every=2: only every second outer step evaluates.
         evaluated = ["eval_loss" in line for line in re.findall(r"outer step done \| .*", p.text())]
-        assert len(evaluated) >= 3 and evaluated == [k % 2 == 0 for k in range(1, len(evaluated) + 1)]
+        # A survivor that starts late takes versions from its peers and may end after 2 outer steps
+        # (CI on d664453).
+        assert len(evaluated) >= 2 and evaluated == [k % 2 == 0 for k in range(1, len(evaluated) + 1)]
 
 
 @pytest.mark.timeout(300)

@@ -35,7 +35,8 @@ def _survivors_finish(swarm, learners, victim_index=2):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", ["inner", "matchmaking", "send", "reduce", "receive"])
+# A kill during inner steps (between rounds) is test_swarm.py's test_sigkill_of_one_learner_does_not_stop_the_others.
+@pytest.mark.parametrize("stage", ["matchmaking", "send", "reduce", "receive"])
 def test_learner_killed_at_each_stage(swarm, stage):
     swarm.start_bootstrap()
     learners = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(2)]

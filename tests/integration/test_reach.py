@@ -28,11 +28,17 @@ def _committed_rounds(text: str) -> int:
 @pytest.mark.timeout(300)
 def test_clients_train_with_the_swarm_and_auto_finds_an_unreachable_learner(swarm):
     swarm.start_bootstrap()
-    direct = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(2)]
     told = swarm.start_learner(2, max_outer_steps=TARGET, extra=["--set", "network.client_mode=true"])
     # Announces a documentation address (TEST-NET-3) instead of its own: unreachable there.
     natted = swarm.start_learner(3, max_outer_steps=TARGET,
                                  extra=["--announce-maddrs", "/ip4/203.0.113.9/tcp/41999"])
+    # The clients start first: a client's start (the reachability check, a DHT restarted in client
+    # mode) takes longer, and on a loaded machine a client that starts last can stay a round behind
+    # until the swarm reaches TARGET (CI on d664453: 0 rounds committed). Early, its first round finds
+    # no leader and it re-phases into the direct learners' rounds.
+    for p in (told, natted):
+        wait_until(lambda p=p: "reachable:" in p.text(), 120, p, f"{p.name}'s reachability verdict")
+    direct = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(2)]
     for p in [*direct, told, natted]:
         assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, range(4), TARGET)

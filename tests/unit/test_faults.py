@@ -33,8 +33,10 @@ def test_each_fault_fires_once_and_only_where_it_matches(monkeypatch):
     plan.fire("send", 2)
     assert fired == [Fault("kill", 2, "send")]
     assert not plan.due("send", 2)
-    plan.fire("serve", 5)  # serving fires at any round from R on
+    plan.fire("serve", 5)  # a learner that skipped round 3 meets the fault at its next round
     assert fired[-1] == Fault("hang", 3, "serve", 1.0)
+    plan.fire("serve", 6)
+    assert len(fired) == 2
 
 
 def test_poison_corrupts_the_outer_gradient_from_its_round_on(capsys):

@@ -1,0 +1,95 @@
+"""The DHT process's RPC counts (p2p_diloco/traffic.py) and their Prometheus counters."""
+
+import asyncio
+
+import pytest
+from hivemind.proto import dht_pb2
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.lifecycle import LinkedDHT
+from p2p_diloco.metrics import Metrics
+from p2p_diloco.traffic import counting_p2p, read_traffic, service_of
+
+
+class _Base:
+    """Stands in for hivemind's P2P: a handler table and a canned reply."""
+
+    def __init__(self):
+        self.handlers = {}
+        self.fail = False
+
+    async def add_protobuf_handler(self, name, handler, input_protobuf_type, *, stream_input=False,
+                                   stream_output=False, balanced=False):
+        self.handlers[name] = handler
+
+    async def call_protobuf_handler(self, peer_id, name, input, output_protobuf_type):
+        if self.fail:
+            raise TimeoutError("no reply")
+        return dht_pb2.PingResponse(dht_time=1.0, available=True)
+
+
+def test_service_names_drop_the_namespace_and_the_method():
+    assert service_of("DHTProtocol.rpc_find") == "DHTProtocol"
+    assert service_of("lineage_outer::DHTProtocol.rpc_store") == "DHTProtocol"
+    assert service_of("p2p_diloco.reach.check") == "p2p_diloco.reach"
+
+
+def test_calls_made_failed_and_served_are_counted_with_their_bytes():
+    p2p = counting_p2p(_Base)()
+    request = dht_pb2.PingRequest(validate=True)
+    reply = dht_pb2.PingResponse(dht_time=1.0, available=True)
+
+    async def go():
+        async def handler(req, ctx):
+            return reply
+
+        await p2p.add_protobuf_handler("DHTProtocol.rpc_ping", handler, dht_pb2.PingRequest)
+        await p2p.handlers["DHTProtocol.rpc_ping"](request, None)  # a peer calls us
+        await p2p.call_protobuf_handler(None, "DHTProtocol.rpc_ping", request, dht_pb2.PingResponse)
+        p2p.fail = True
+        with pytest.raises(TimeoutError):
+            await p2p.call_protobuf_handler(None, "DHTProtocol.rpc_ping", request, dht_pb2.PingResponse)
+
+    asyncio.run(go())
+    t = p2p.traffic.snapshot()["DHTProtocol"]
+    assert t == {"calls_made": 2, "calls_failed": 1, "calls_served": 1,
+                 "bytes_out": reply.ByteSize() + 2 * request.ByteSize(),
+                 "bytes_in": request.ByteSize() + reply.ByteSize()}
+
+
+def test_metrics_follow_the_counts_and_start_again_after_a_dht_restart():
+    m = Metrics()
+    get = m.registry.get_sample_value
+    m.dht_traffic({"DHTProtocol": {"calls_made": 3, "calls_failed": 0, "calls_served": 5, "bytes_out": 100,
+                                   "bytes_in": 700}})
+    m.dht_traffic({"DHTProtocol": {"calls_made": 4, "calls_failed": 1, "calls_served": 5, "bytes_out": 150,
+                                   "bytes_in": 700}})
+    assert get("p2p_diloco_dht_calls_total", {"service": "DHTProtocol", "kind": "made"}) == 4
+    assert get("p2p_diloco_dht_calls_total", {"service": "DHTProtocol", "kind": "failed"}) == 1
+    assert get("p2p_diloco_dht_bytes_total", {"service": "DHTProtocol", "direction": "out"}) == 150
+    # A client's DHT starts again: its counts begin at zero, and the counters keep growing.
+    m.dht_traffic({"DHTProtocol": {"calls_made": 2, "calls_failed": 0, "calls_served": 0, "bytes_out": 40,
+                                   "bytes_in": 60}})
+    assert get("p2p_diloco_dht_calls_total", {"service": "DHTProtocol", "kind": "made"}) == 6
+    assert get("p2p_diloco_dht_bytes_total", {"service": "DHTProtocol", "direction": "in"}) == 760
+
+
+@pytest.mark.timeout(120)
+def test_two_real_dhts_count_the_same_bytes_from_both_ends():
+    a = LinkedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    b = None
+    try:
+        b = LinkedDHT(start=True, initial_peers=[str(x) for x in a.get_visible_maddrs()],
+                      host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        assert b.store("k", b"x" * 1000, get_dht_time() + 30)
+        assert a.get("k", latest=True) is not None
+        for _ in range(10):  # a read between two calls of a background exchange would not match: read again
+            ta, tb = read_traffic(a)["DHTProtocol"], read_traffic(b)["DHTProtocol"]
+            if ta == read_traffic(a)["DHTProtocol"]:
+                break
+        assert ta["calls_made"] == tb["calls_served"] and tb["calls_made"] == ta["calls_served"]
+        assert ta["bytes_in"] == tb["bytes_out"] > 1000 and ta["bytes_out"] == tb["bytes_in"]
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.shutdown()

@@ -35,6 +35,7 @@ import psutil
 from p2p_diloco.audit import parse_line
 from p2p_diloco.local_swarm import fragment_states, read_summaries
 from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
+from p2p_diloco.traffic import totals
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
@@ -114,9 +115,13 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
                 failed += 1
     full = sum(g == m for g in rounds.values())
     versions = max((s["version"] for s in valid), default=0)
-    dht = [s.get("dht_traffic", {}).get("DHTProtocol") for s in valid]
-    dht = [d for d in dht if d]
     per_round = max(1, versions)
+    dht = [totals(s["dht_traffic"]) for s in valid if s.get("dht_traffic")]
+    by_rpc: dict[str, float] = {}  # calls made and served per learner per version, by RPC
+    for s in valid:
+        for rpc, counts in s.get("dht_traffic", {}).items():
+            calls = counts["calls_made"] + counts["calls_served"]
+            by_rpc[rpc] = by_rpc.get(rpc, 0.0) + calls / len(valid) / per_round
     peak = [max(r) for r in rss if r]
     split = [k for k, shas in fragment_states(valid).items() if len(shas) > 1]
     return {
@@ -138,6 +143,7 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
                                                    if dht else None),
         "dht_kb_per_learner_per_version": (statistics.fmean(d["bytes_out"] + d["bytes_in"] for d in dht)
                                            / per_round / 1024) if dht else None,
+        "dht_calls_per_learner_per_version_by_rpc": {k: round(v, 1) for k, v in sorted(by_rpc.items())},
         "lineage_splits": [f"fragment {f} version {v}" for f, v in sorted(split)],
         "states_at_end": len({s["global_state_sha256"] for s in valid}),
         "final_eval_loss": [round(s["last_eval_loss"], 4) for s in valid],

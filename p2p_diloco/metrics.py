@@ -80,9 +80,9 @@ class Metrics:
             self._refusals.labels(kind=kind)
         self._peers = Gauge("p2p_diloco_peers_visible", "other live learners in the last records read", registry=r)
         self._dht_calls = Counter("p2p_diloco_dht_calls", "unary RPCs of the DHT process (p2p_diloco/traffic.py), "
-                                  "by service and kind (made, failed, served)", ["service", "kind"], registry=r)
-        self._dht_bytes = Counter("p2p_diloco_dht_bytes", "protobuf bytes of those RPCs, by service and direction",
-                                  ["service", "direction"], registry=r)
+                                  "by RPC and kind (made, failed, served)", ["rpc", "kind"], registry=r)
+        self._dht_bytes = Counter("p2p_diloco_dht_bytes", "protobuf bytes of those RPCs, by RPC and direction",
+                                  ["rpc", "direction"], registry=r)
         self._dht_seen: dict[tuple[str, str], int] = {}
         self._info = Info("p2p_diloco_learner", "who this learner is", registry=r)
         self.last_eval_loss: float | None = None
@@ -147,15 +147,15 @@ class Metrics:
     def dht_traffic(self, snapshot: dict[str, dict[str, int]]) -> None:
         """Bring the DHT RPC counters up to ``snapshot`` (:func:`~p2p_diloco.traffic.read_traffic`). Counts
         that went down come from a DHT started again (a client's): they count from zero."""
-        for service, fields in snapshot.items():
+        for rpc, fields in snapshot.items():
             for field, value in fields.items():
                 kind = field.removeprefix("calls_").removeprefix("bytes_")
-                counter = (self._dht_calls.labels(service=service, kind=kind) if field.startswith("calls_")
-                           else self._dht_bytes.labels(service=service, direction=kind))
-                before = self._dht_seen.get((service, field), 0)
+                counter = (self._dht_calls.labels(rpc=rpc, kind=kind) if field.startswith("calls_")
+                           else self._dht_bytes.labels(rpc=rpc, direction=kind))
+                before = self._dht_seen.get((rpc, field), 0)
                 if value != before:
                     counter.inc(value - before if value > before else value)
-                    self._dht_seen[(service, field)] = value
+                    self._dht_seen[(rpc, field)] = value
 
     def peers_visible(self, count: int) -> None:
         """How many other live learners the last read of the swarm's records showed."""

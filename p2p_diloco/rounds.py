@@ -57,6 +57,9 @@ class InFlight:
         return self.thread is not None and self.thread.is_alive()
 
 
+_MAX_WAITS = 2  # late slots in a row at which a learner waits for the swarm's next round (Rounds._wait_for_the_swarm)
+
+
 @dataclass
 class Rounds:
     """The learner's fragment rounds. At most one round is in flight (``inflight``), plus at most one
@@ -82,6 +85,7 @@ class Rounds:
     phase_shift: int = 0
     out_of_phase: bool = False  # the last round on the steps schedule ended without a commit
     next_phase_look: float = 0.0  # monotonic time of the next DHT look for the others' rounds
+    waits: int = 0  # slots in a row at which we were late for the swarm's round and waited for its next
     metrics: Metrics = field(default_factory=Metrics)
 
     def tick(self) -> None:
@@ -185,6 +189,7 @@ class Rounds:
         c.merged(f, task.tokens, task.steps, len(self.state.fragments))
         c.missed_versions[f] = 0
         self.out_of_phase = False
+        self.waits = 0
         self.state.refresh_served()
         self.averaging.set_state_priority(self.state.version)
         self.on_commit()
@@ -316,7 +321,8 @@ class Rounds:
                         "still running")
             return
         background = self.cfg.sync.overlap_steps > 0
-        self.catch_up.start(background=background)
+        merges = self.state.counters.merges
+        changed = self.catch_up.start(background=background)
         if self.catch_up.downloading(f):
             # The swarm committed this fragment without us. Skipping this round (rather than
             # waiting alone for a group) keeps us in phase: on the steps schedule the swarm's next
@@ -324,15 +330,37 @@ class Rounds:
             # next time.
             logger.info(f"fragment {f}: its newer state is on the way; contributing at its next slot")
             return
+        if f in changed and self.state.counters.merges == merges and self._wait_for_the_swarm(f):
+            return
         if self.at_target(f):
             return
         self.start(frag)
         if not background and self.last_outcome is not None and self.last_outcome.superseded:
-            # We were late for the swarm's round: take its newer Θ (our steps are rebased onto it)
-            # and join the next round right away, so we fall back into step with the others.
+            # Late for the swarm's round: take its newer Θ (our steps are rebased onto it).
             self.catch_up.start()
-            if not self.at_target(f):
+            if not self._wait_for_the_swarm(f) and not self.at_target(f):
                 self.start(frag)
+
+    def _wait_for_the_swarm(self, f: int) -> bool:
+        """The swarm committed fragment ``f`` without us (we were late for its round) and we took its state:
+        whether our steps wait for the swarm's next round instead of a round of ours at the new version now.
+
+        Every learner late for the same round starting one at once committed the next version among
+        themselves, half a period after the others, who were then late in turn: 8 learners split into
+        two halves whose rounds took turns for the whole run (docs/scale.md). On the steps schedule
+        the late learner now waits: :meth:`rephase` looks for the swarm's next round (now, then once
+        per matchmaking time) and moves our schedule into it. After ``_MAX_WAITS`` slots in a row
+        without a commit it rounds at once again, as before. On the clock schedule everyone's slot is
+        the same, so a learner that took a state at its slot is on time for this slot's round.
+        """
+        if self.clock is not None or self.waits >= _MAX_WAITS or self.at_target(f):
+            return False
+        self.waits += 1
+        logger.info(f"fragment {f}: the swarm committed version {self.state.states[f].version} without us; our steps "
+                    "wait for its next round")
+        self.out_of_phase = True
+        self.next_phase_look = 0.0
+        return True
 
     def in_limbo(self) -> dict[int, Unconfirmed]:
         """The round in flight's outer gradient, whose outcome is unknown until it is applied."""

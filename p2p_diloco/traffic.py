@@ -1,9 +1,9 @@
-"""RPC traffic of a learner's DHT process: calls made and served, and their bytes, per service.
+"""RPC traffic of a learner's DHT process: calls made and served, and their bytes, per RPC.
 
 hivemind counts nothing of what its DHT sends. In the DHT's own process, hivemind's ``DHTNode`` makes
 its ``P2P`` from ``hivemind.dht.node.P2P``; :class:`~p2p_diloco.lifecycle.LinkedDHT` puts a subclass
 from :func:`counting_p2p` there, which counts every unary protobuf call it makes (``DHTProtocol``'s
-ping, store and find, and the reachability check's question) and every one it serves. The learner
+ping, store and find, and the reachability check's question), by RPC and every one it serves. The learner
 reads the counts with :func:`read_traffic` (one request to the DHT process).
 
 Bytes are the serialized protobuf messages (request out and reply in for a call made; request in
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ServiceTraffic:
-    """One service's RPCs through this peer's P2P."""
+class RpcTraffic:
+    """One RPC's calls through this peer's P2P (``DHTProtocol.rpc_find``, say)."""
 
     calls_made: int = 0
     calls_failed: int = 0  # made, and no reply came (error or timeout)
@@ -33,9 +33,9 @@ class ServiceTraffic:
     bytes_in: int = 0  # replies received + requests served
 
 
-def service_of(handle_name: str) -> str:
-    """``DHTProtocol`` for ``ns::DHTProtocol.rpc_find``: the handler's name without namespace and method."""
-    return handle_name.rsplit("::", 1)[-1].rsplit(".", 1)[0]
+def rpc_of(handle_name: str) -> str:
+    """``DHTProtocol.rpc_find`` for ``ns::DHTProtocol.rpc_find``: the handler's name without its namespace."""
+    return handle_name.rsplit("::", 1)[-1]
 
 
 def _size(message: Any) -> int:
@@ -46,19 +46,19 @@ def _size(message: Any) -> int:
 
 
 class TrafficCounts:
-    """Counts per service; ``snapshot()`` is what :func:`read_traffic` returns."""
+    """Counts per RPC; ``snapshot()`` is what :func:`read_traffic` returns."""
 
     def __init__(self) -> None:
-        self.services: dict[str, ServiceTraffic] = {}
+        self.rpcs: dict[str, RpcTraffic] = {}
 
-    def of(self, handle_name: str) -> ServiceTraffic:
-        return self.services.setdefault(service_of(handle_name), ServiceTraffic())
+    def of(self, handle_name: str) -> RpcTraffic:
+        return self.rpcs.setdefault(rpc_of(handle_name), RpcTraffic())
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        return {name: asdict(t) for name, t in sorted(self.services.items())}
+        return {name: asdict(t) for name, t in sorted(self.rpcs.items())}
 
 
-def count_served(handler: Callable[[Any, Any], Awaitable[Any]], traffic: ServiceTraffic
+def count_served(handler: Callable[[Any, Any], Awaitable[Any]], traffic: RpcTraffic
                  ) -> Callable[[Any, Any], Awaitable[Any]]:
     """``handler`` (a unary protobuf handler), counting each request it serves and its reply."""
     async def counted(request: Any, context: Any) -> Any:
@@ -115,6 +115,16 @@ async def _snapshot(_dht: Any, node: Any) -> dict[str, dict[str, int]]:
 
 
 def read_traffic(dht: Any) -> dict[str, dict[str, int]]:
-    """The DHT process's RPC counts per service (``{}`` if its P2P does not count), e.g.
-    ``{"DHTProtocol": {"calls_made": 12, "calls_failed": 0, "calls_served": 30, "bytes_out": ..., ...}}``."""
+    """The DHT process's counts per RPC (``{}`` if its P2P does not count), e.g.
+    ``{"DHTProtocol.rpc_find": {"calls_made": 12, "calls_failed": 0, "calls_served": 30, "bytes_out": ...}}``."""
     return dht.run_coroutine(_snapshot)
+
+
+def totals(snapshot: dict[str, dict[str, int]], prefix: str = "DHTProtocol.") -> dict[str, int]:
+    """The counts of ``snapshot``'s RPCs whose names start with ``prefix``, summed (the DHT's own by default)."""
+    out = dict.fromkeys(("calls_made", "calls_failed", "calls_served", "bytes_out", "bytes_in"), 0)
+    for name, counts in snapshot.items():
+        if name.startswith(prefix):
+            for k in out:
+                out[k] += int(counts.get(k, 0))
+    return out

@@ -16,9 +16,9 @@ from .fake_averaging import FakeAveraging
 H, P = 20, 4
 
 
-def _learner(searching: dict[tuple[int, int], int], steps: int) -> Rounds:
-    cfg = load_learner_config(None, [f"inner.steps_per_outer={H}", f"sync.fragments={P}", "sync.overlap_steps=2",
-                                     "averaging.matchmaking_time=3"])
+def _learner(searching: dict[tuple[int, int], int], steps: int, overlap: int = 2) -> Rounds:
+    cfg = load_learner_config(None, [f"inner.steps_per_outer={H}", f"sync.fragments={P}",
+                                     f"sync.overlap_steps={overlap}", "averaging.matchmaking_time=3"])
     fragments = build_fragments([(f"w{i}", torch.Size([10])) for i in range(P)], P, H)
     state = LearnerState(fragments=fragments, states=[SimpleNamespace(version=7) for _ in range(P)], params=[])
     state.counters.inner_steps = steps
@@ -76,3 +76,61 @@ def test_fragments_at_the_target_version_are_not_joined():
     learner.out_of_phase = True
     learner.rephase()
     assert not learner.pending
+
+
+def test_a_learner_late_for_the_swarms_round_takes_its_state_and_waits_for_its_next_round():
+    """Each late learner starting a round at the new version at once split 8 learners into two halves
+    whose rounds took turns (benchmarks/scale_swarm.py): a late learner now joins the swarm's next round."""
+    learner = _learner({}, steps=110, overlap=0)  # fragment 2's slot (step % 20 == 10): due now
+    adopted = []
+
+    def start(background=False):
+        adopted.append(background)
+        learner.state.states[2].version = 8  # the swarm committed version 8 while we trained
+        return [2]
+
+    learner.catch_up = SimpleNamespace(start=start, downloading=lambda f: False)
+    learner.sync_due_fragments()
+    assert adopted == [False]  # τ = 0: the state is taken before the round would start
+    assert learner.inflight is None and learner.averaging.looks == 0  # no round of our own at version 8
+    assert learner.out_of_phase and not learner.pending
+    # The swarm's next round of fragment 2 forms: we join it at once (the look is not rate-limited).
+    learner.averaging.searching = {(2, 8): 3}
+    learner.state.counters.inner_steps = 113
+    learner.rephase()
+    assert list(learner.pending) == [2] and (113 + learner.phase_shift) % H == 10
+
+
+def test_after_two_late_slots_in_a_row_a_learner_rounds_at_once_and_a_merge_is_no_lateness():
+    learner = _learner({}, steps=110, overlap=0)
+    started = []
+    learner.start = lambda frag, background=None: started.append(frag.index)
+    merged = []
+
+    def start(background=False):
+        learner.state.states[2].version += 1
+        if merged:
+            learner.state.counters.merges += 1
+        return [2]
+
+    learner.catch_up = SimpleNamespace(start=start, downloading=lambda f: False)
+    frag = learner.state.fragments[2]
+    learner._open_slot(frag)
+    learner._open_slot(frag)
+    assert started == [] and learner.waits == 2
+    learner._open_slot(frag)  # a third late slot without a commit: as before, a round at once
+    assert started == [2]
+    learner.waits = 0
+    merged.append(True)  # a split-brain merge changed the fragment: not late, a round at once
+    learner._open_slot(frag)
+    assert started == [2, 2] and learner.waits == 0
+
+
+def test_on_the_clock_schedule_a_learner_that_took_a_state_at_its_slot_rounds_in_it():
+    learner = _learner({}, steps=110, overlap=0)
+    learner.clock = object()  # everyone's slot is the same wall-clock time
+    started = []
+    learner.start = lambda frag, background=None: started.append(frag.index)
+    learner.catch_up = SimpleNamespace(start=lambda background=False: [2], downloading=lambda f: False)
+    learner._open_slot(learner.state.fragments[2])
+    assert started == [2] and not learner.out_of_phase

@@ -8,7 +8,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.lifecycle import LinkedDHT
 from p2p_diloco.metrics import Metrics
-from p2p_diloco.traffic import counting_p2p, read_traffic, service_of
+from p2p_diloco.traffic import counting_p2p, read_traffic, rpc_of, totals
 
 
 class _Base:
@@ -28,10 +28,14 @@ class _Base:
         return dht_pb2.PingResponse(dht_time=1.0, available=True)
 
 
-def test_service_names_drop_the_namespace_and_the_method():
-    assert service_of("DHTProtocol.rpc_find") == "DHTProtocol"
-    assert service_of("lineage_outer::DHTProtocol.rpc_store") == "DHTProtocol"
-    assert service_of("p2p_diloco.reach.check") == "p2p_diloco.reach"
+def test_rpc_names_drop_the_namespace_and_totals_add_up_the_dhts_own():
+    assert rpc_of("DHTProtocol.rpc_find") == "DHTProtocol.rpc_find"
+    assert rpc_of("lineage_outer::DHTProtocol.rpc_store") == "DHTProtocol.rpc_store"
+    snapshot = {"DHTProtocol.rpc_find": {"calls_made": 2, "bytes_out": 10},
+                "DHTProtocol.rpc_store": {"calls_made": 1, "calls_served": 4, "bytes_in": 7},
+                "p2p_diloco.reach.check": {"calls_made": 5}}
+    assert totals(snapshot) == {"calls_made": 3, "calls_failed": 0, "calls_served": 4, "bytes_out": 10, "bytes_in": 7}
+    assert totals(snapshot, "p2p_diloco.reach")["calls_made"] == 5
 
 
 def test_calls_made_failed_and_served_are_counted_with_their_bytes():
@@ -51,7 +55,7 @@ def test_calls_made_failed_and_served_are_counted_with_their_bytes():
             await p2p.call_protobuf_handler(None, "DHTProtocol.rpc_ping", request, dht_pb2.PingResponse)
 
     asyncio.run(go())
-    t = p2p.traffic.snapshot()["DHTProtocol"]
+    t = p2p.traffic.snapshot()["DHTProtocol.rpc_ping"]
     assert t == {"calls_made": 2, "calls_failed": 1, "calls_served": 1,
                  "bytes_out": reply.ByteSize() + 2 * request.ByteSize(),
                  "bytes_in": request.ByteSize() + reply.ByteSize()}
@@ -60,18 +64,18 @@ def test_calls_made_failed_and_served_are_counted_with_their_bytes():
 def test_metrics_follow_the_counts_and_start_again_after_a_dht_restart():
     m = Metrics()
     get = m.registry.get_sample_value
-    m.dht_traffic({"DHTProtocol": {"calls_made": 3, "calls_failed": 0, "calls_served": 5, "bytes_out": 100,
-                                   "bytes_in": 700}})
-    m.dht_traffic({"DHTProtocol": {"calls_made": 4, "calls_failed": 1, "calls_served": 5, "bytes_out": 150,
-                                   "bytes_in": 700}})
-    assert get("p2p_diloco_dht_calls_total", {"service": "DHTProtocol", "kind": "made"}) == 4
-    assert get("p2p_diloco_dht_calls_total", {"service": "DHTProtocol", "kind": "failed"}) == 1
-    assert get("p2p_diloco_dht_bytes_total", {"service": "DHTProtocol", "direction": "out"}) == 150
+    m.dht_traffic({"DHTProtocol.rpc_find": {"calls_made": 3, "calls_failed": 0, "calls_served": 5,
+                                            "bytes_out": 100, "bytes_in": 700}})
+    m.dht_traffic({"DHTProtocol.rpc_find": {"calls_made": 4, "calls_failed": 1, "calls_served": 5,
+                                            "bytes_out": 150, "bytes_in": 700}})
+    assert get("p2p_diloco_dht_calls_total", {"rpc": "DHTProtocol.rpc_find", "kind": "made"}) == 4
+    assert get("p2p_diloco_dht_calls_total", {"rpc": "DHTProtocol.rpc_find", "kind": "failed"}) == 1
+    assert get("p2p_diloco_dht_bytes_total", {"rpc": "DHTProtocol.rpc_find", "direction": "out"}) == 150
     # A client's DHT starts again: its counts begin at zero, and the counters keep growing.
-    m.dht_traffic({"DHTProtocol": {"calls_made": 2, "calls_failed": 0, "calls_served": 0, "bytes_out": 40,
-                                   "bytes_in": 60}})
-    assert get("p2p_diloco_dht_calls_total", {"service": "DHTProtocol", "kind": "made"}) == 6
-    assert get("p2p_diloco_dht_bytes_total", {"service": "DHTProtocol", "direction": "in"}) == 760
+    m.dht_traffic({"DHTProtocol.rpc_find": {"calls_made": 2, "calls_failed": 0, "calls_served": 0,
+                                            "bytes_out": 40, "bytes_in": 60}})
+    assert get("p2p_diloco_dht_calls_total", {"rpc": "DHTProtocol.rpc_find", "kind": "made"}) == 6
+    assert get("p2p_diloco_dht_bytes_total", {"rpc": "DHTProtocol.rpc_find", "direction": "in"}) == 760
 
 
 @pytest.mark.timeout(120)
@@ -84,8 +88,8 @@ def test_two_real_dhts_count_the_same_bytes_from_both_ends():
         assert b.store("k", b"x" * 1000, get_dht_time() + 30)
         assert a.get("k", latest=True) is not None
         for _ in range(10):  # a read between two calls of a background exchange would not match: read again
-            ta, tb = read_traffic(a)["DHTProtocol"], read_traffic(b)["DHTProtocol"]
-            if ta == read_traffic(a)["DHTProtocol"]:
+            ta, tb = totals(read_traffic(a)), totals(read_traffic(b))
+            if ta == totals(read_traffic(a)):
                 break
         assert ta["calls_made"] == tb["calls_served"] and tb["calls_made"] == ta["calls_served"]
         assert ta["bytes_in"] == tb["bytes_out"] > 1000 and ta["bytes_out"] == tb["bytes_in"]

@@ -41,14 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
 
 
-def group_rss(pgid: int) -> int:
-    """Resident bytes of every process in process group ``pgid``."""
-    total = 0
+def rss_by_group(pgids: set[int]) -> dict[int, int]:
+    """Resident bytes of every process in each of the process groups ``pgids``, in one pass over the processes."""
+    totals = dict.fromkeys(pgids, 0)
     for proc in psutil.process_iter(["pid"]):
         with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(proc.pid) == pgid:
-                total += proc.memory_info().rss
-    return total
+            pgid = os.getpgid(proc.pid)
+            if pgid in totals:
+                totals[pgid] += proc.memory_info().rss
+    return totals
 
 
 def audit_events(ckpt: Path) -> list[dict]:
@@ -88,9 +89,10 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         while any(p.alive() for p in learners) and time.monotonic() < deadline:
             if time.monotonic() >= next_sample:
                 next_sample += args.sample_seconds
-                for i, p in enumerate(learners):
-                    if p.alive():
-                        rss[i].append(group_rss(p.pid))
+                alive = {i: p.pid for i, p in enumerate(learners) if p.alive()}
+                sampled = rss_by_group(set(alive.values()))
+                for i, pgid in alive.items():
+                    rss[i].append(sampled[pgid])
             time.sleep(0.5)
         timed_out = any(p.alive() for p in learners)
     finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
 import torch
@@ -86,6 +86,8 @@ class OuterGradientAverager(DecentralizedAverager):
         # Bytes of each fragment's served tensors (parameters and momentum, fp32): a download's cap.
         self._served_bytes = [8 * sum(averaged_tensors[i].numel() for i in f) for f in self._fragments]
         self._codecs = list(codecs)
+        self._base_quorum = int(kwargs.get("min_group_size", 2))  # K; a majority quorum only raises it
+        self._base_target = int(kwargs.get("target_group_size") or self._base_quorum)  # and this, to at least itself
         self._round_stats: dict[bytes, dict[str, float]] = {}
         super().__init__(averaged_tensors, dht, **kwargs)
         serialize_requests(self)  # the round thread, the training loop and downloads all send requests
@@ -106,7 +108,7 @@ class OuterGradientAverager(DecentralizedAverager):
             named = {str(p): m for p, m in gathered.items()}
             verdict = judge(named, agreed_rules(named, self._rules))
             self._leave_if_excluded(verdict, group_info, mine, fragment)
-            self._check_quorum(verdict, group_info)
+            self._check_quorum(verdict, group_info, gathered)
             excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]
             modes = tuple(map(AveragingMode, mode_ids))
             download_bandwidths = [  # an excluded member reduces no shard
@@ -132,16 +134,41 @@ class OuterGradientAverager(DecentralizedAverager):
                 logger.debug(f"all-reduce failed: {e!r}")
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
-    def _check_quorum(self, verdict: Verdict, group_info) -> None:
-        """Fail the round for every member if the contributions left are fewer than the quorum K: a group
-        that shrank below it by exclusion would commit what a group that small may not."""
+    def set_min_group_size(self, size: int, wait: bool = True):
+        """Matchmake with quorum ``size`` from the next round on (a majority quorum follows the swarm's size);
+        a group then closes early only once it has at least that many members, whatever the target size."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(size), future=future)))
+        return future.result() if wait else future
+
+    async def _set_min_group_size(self, size: int, future: MPFuture) -> None:
+        try:
+            quorum = max(self._base_quorum, size)
+            self._matchmaking.min_group_size = quorum
+            target = max(self._base_target, quorum)
+            # hivemind's key manager draws each member's next group bits from `target` buckets: it must
+            # hold the largest group (our group bits are set again before every round anyway).
+            self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
+    def _check_quorum(self, verdict: Verdict, group_info, gathered: dict) -> None:
+        """Fail the round for every member if the contributions left are fewer than the group's quorum: a
+        group that shrank below it by exclusion would commit what a group that small may not.
+
+        The group's quorum is K, or, when members gathered a majority quorum of the swarm they see, the
+        median of those claims (every member computes the same from the same gathered data; a minority of
+        members claiming a huge or a tiny swarm moves it no further than the honest claims around it)."""
         left = len(group_info.peer_ids) - len(verdict.excluded)
-        quorum = self._matchmaking.min_group_size
-        if verdict.excluded and left < quorum:
+        quorum = group_quorum(gathered.values(), self._base_quorum)
+        if left < quorum:
             self._cancel_registration(group_info)
             names = ", ".join(f"{p[-6:]} ({e.why})" for p, e in sorted(verdict.excluded.items()))
-            raise AllreduceException(f"{left} contribution(s) left after leaving out {names}: below the quorum "
-                                     f"K = {quorum}")
+            why = f" left after leaving out {names}" if names else " in the group"
+            raise AllreduceException(f"{left} contribution(s){why}: below the quorum "
+                                     f"{'K' if quorum == self._base_quorum else 'of a majority'} = {quorum}")
 
     def _cancel_registration(self, group_info) -> None:
         running = self._running_groups.get(group_info.group_id)
@@ -377,3 +404,26 @@ def _agreed_fragment(gathered: dict, num_fragments: int) -> int:
     return fragment
 
 
+
+
+MAX_QUORUM = 1_000_000  # a claimed quorum above this is malformed
+
+
+def group_quorum(gathered: Iterable[Any], base: int) -> int:
+    """The quorum a group applies: the lower median of what its members gathered as theirs, at least ``base`` (K).
+
+    A member that gathered no valid ``quorum`` (an int in [1, MAX_QUORUM]) counts as claiming K: under a fixed
+    quorum nobody claims one, and one member's claim cannot fail the rounds it joins; under a majority quorum a
+    minority of members lying high or low moves the median no further than the honest claims around it.
+    """
+    claims: list[int] = []
+    for meta in gathered:
+        claim = meta.get("quorum") if isinstance(meta, dict) else None
+        if isinstance(claim, int) and not isinstance(claim, bool) and 1 <= claim <= MAX_QUORUM:
+            claims.append(claim)
+        else:
+            claims.append(base)
+    if not claims:
+        return base
+    claims.sort()
+    return max(base, claims[(len(claims) - 1) // 2])

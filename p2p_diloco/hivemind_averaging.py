@@ -58,6 +58,8 @@ class HivemindAveraging:
     # Polled while looking for a group: returns the swarm's newest version of a fragment, to stop
     # waiting for a group that has already moved on.
     newest_version: Callable[[int], int] | None = None
+    # With ``cfg.quorum == "majority"``: how many learners the swarm's records show training (us included).
+    training_learners: Callable[[], int] | None = None
     fragments: Sequence[Sequence[int]] | None = None
     codecs: Sequence[str] | None = None
     poll_seconds: float = 1.0
@@ -79,6 +81,7 @@ class HivemindAveraging:
     _superseded_by: int | None = field(init=False, default=None)
     _bans: Bans = field(init=False)
     _last_verdict: Verdict | None = field(init=False, default=None)
+    _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
 
     def __post_init__(self) -> None:
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
@@ -152,6 +155,22 @@ class HivemindAveraging:
             self._last_verdict = result.verdict
             return result
 
+    def round_quorum(self) -> int:
+        """This round's quorum: K, and with ``cfg.quorum == "majority"`` more than half of the learners
+        training as the swarm's records last showed them."""
+        if self.cfg.quorum != "majority" or self.training_learners is None:
+            return self.cfg.min_group_size
+        return max(self.cfg.min_group_size, majority(self.training_learners()))
+
+    def _set_quorum(self) -> None:
+        """Matchmake with this round's quorum: a leader with fewer followers disbands rather than starts."""
+        if self.cfg.quorum != "majority":
+            return  # K, as the averager was started with
+        quorum = self.round_quorum()
+        if quorum != self._quorum:
+            self._averager.set_min_group_size(quorum)
+            self._quorum = quorum
+
     def _rules(self) -> Rules:
         rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
         return rules if self.limits is None else rules.bounded_by(*self.limits)
@@ -164,6 +183,8 @@ class HivemindAveraging:
             metadata = {**metadata, "norm": norm, "finite": math.isfinite(norm)}
         if self.step_tokens is not None:
             metadata = {**metadata, "step_tokens": int(self.step_tokens)}
+        if self.cfg.quorum == "majority":
+            metadata = {**metadata, "quorum": self._quorum}
         return {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
                 "bans": self._bans.listed()}
 
@@ -177,6 +198,7 @@ class HivemindAveraging:
         scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
         timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
         self._averager.set_group_bits(group_bits(fragment, version))
+        self._set_quorum()
         began = time.time()  # wall clock: the averager process stamps the group's forming with it
         control = self._averager.step(
             weight=float(weight), gather=self._gathered(deltas, weight, metadata, fragment), timeout=timeout,
@@ -313,6 +335,11 @@ def _wait_until_finished(control, limit: float) -> None:
     deadline = time.monotonic() + limit
     while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def majority(learners: int) -> int:
+    """The fewest learners that are more than half of ``learners``: two disjoint groups cannot both have it."""
+    return learners // 2 + 1
 
 
 def group_bits(fragment: int, version: int) -> str:

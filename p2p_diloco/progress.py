@@ -74,6 +74,12 @@ class Progress:
             self._seen = self.board.read()
         return self._seen
 
+    def training_learners(self) -> int:
+        """How many learners the records last read show training, ourselves always included (a majority
+        quorum's base: learners done or gone join no round)."""
+        others = self.others(fresh=False)
+        return 1 + sum(r.status == "training" for r in others.values())
+
     def distrust(self, peer: str, seconds: float) -> None:
         """Ignore ``peer``'s records for ``seconds`` (it served a state that failed verification)."""
         self._distrusted[peer] = time.monotonic() + seconds

@@ -85,6 +85,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
         "steps_per_outer": cfg.inner.steps_per_outer, "schedule": cfg.sync.schedule,
         "period": cfg.sync.period_seconds if cfg.sync.schedule == "clock" else None,
     }
+    if cfg.averaging.quorum != "fixed":  # a rule every member of a group applies alike (the fixed quorum's
+        keys["quorum"] = cfg.averaging.quorum  # lineages keep the ids they had before the setting)
     if model_files is not None:
         keys["model_files"] = model_files
     if tokenizer != "bytes":
@@ -293,7 +295,8 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     progress.audit, progress.metrics, audit.on_record = audit, metrics, metrics.audited
     progress.traffic = functools.partial(read_traffic, dht)
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
-                f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}")
+                f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}"
+                + (", and a majority of the learners training" if cfg.averaging.quorum == "majority" else ""))
     averager = time.monotonic()
     averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client,
                                  step_tokens=cfg.inner.batch_size * cfg.model.seq_len * trainer.workers)
@@ -341,6 +344,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: Le
     averaging = HivemindAveraging(
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
+        training_learners=progress.training_learners,
         fragments=parameter_indices([len(s.params) for s in state.states]),
         codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults, client_mode=client,
         step_tokens=step_tokens, limits=cfg.contribution_limits,

@@ -1,0 +1,73 @@
+"""The majority quorum (``averaging.quorum = "majority"``, docs/scale.md): a round commits only with more than half
+of the learners the swarm's records show training, so two disjoint groups never both commit one version. The
+group applies the lower median of the quorums its members gathered, so a lying minority cannot move it far."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from p2p_diloco.averager import MAX_QUORUM, group_quorum
+from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.hivemind_averaging import HivemindAveraging, majority
+from p2p_diloco.progress import Progress
+from p2p_diloco.records import ProgressRecord
+from p2p_diloco.startup import lineage_id
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ROOT / "peers" / "small-cpu.toml"
+
+
+def test_a_majority_is_more_than_half():
+    assert [majority(m) for m in (1, 2, 3, 4, 5, 8, 16, 1000)] == [1, 2, 2, 3, 3, 5, 9, 501]
+    for m in range(1, 200):  # two disjoint groups cannot both reach it
+        assert 2 * majority(m) > m
+
+
+def test_the_round_quorum_follows_the_learners_training():
+    cfg = load_learner_config(SMALL, ["averaging.quorum=majority", "averaging.min_group_size=2"]).averaging
+    seen = SimpleNamespace(cfg=cfg, training_learners=lambda: 16)
+    assert HivemindAveraging.round_quorum(seen) == 9
+    seen.training_learners = lambda: 2
+    assert HivemindAveraging.round_quorum(seen) == 2  # never below K
+    fixed = SimpleNamespace(cfg=load_learner_config(SMALL).averaging, training_learners=lambda: 16)
+    assert HivemindAveraging.round_quorum(fixed) == fixed.cfg.min_group_size
+
+
+def test_the_group_applies_the_lower_median_of_its_members_claims():
+    assert group_quorum([{}, {}, {}], 2) == 2  # a fixed quorum: nobody claims one
+    assert group_quorum([{"quorum": 9}] * 9, 2) == 9
+    # one member of a fixed-quorum group claims a huge swarm: it cannot fail the rounds it joins
+    assert group_quorum([{"quorum": 500}, {}, {}], 2) == 2
+    # honest claims differ by a learner or two (each read the records at its own time)
+    assert group_quorum([{"quorum": 8}, {"quorum": 9}, {"quorum": 9}, {"quorum": 9}], 2) == 9
+    # a minority lying low or high moves it no further than the honest claims around it
+    assert group_quorum([{"quorum": 1}, {"quorum": 1}, {"quorum": 9}, {"quorum": 9}, {"quorum": 9}], 2) == 9
+    assert group_quorum([{"quorum": 5}, {"quorum": 5}, {"quorum": 5}, {"quorum": 10**5}, {"quorum": 10**5}], 2) == 5
+    assert group_quorum([], 3) == 3
+
+
+@pytest.mark.parametrize("claim", [True, "9", 9.0, 0, -4, MAX_QUORUM + 1, None, [9]])
+def test_a_malformed_claim_counts_as_k(claim):
+    assert group_quorum([{"quorum": claim}] * 3, 2) == 2
+    assert group_quorum(["not a dict", {"quorum": claim}, 7], 3) == 3
+
+
+def test_the_base_of_a_majority_is_the_learners_training():
+    def rec(status):
+        return ProgressRecord(1, "a" * 64, 0, status, versions=(1,), shas=("a" * 64,))
+    me = "me"
+    seen = {me: rec("training"), "p1": rec("training"), "p2": rec("done"), "p3": rec("left"), "p4": rec("training")}
+    progress = SimpleNamespace(state=SimpleNamespace(peer_id=me), records=lambda fresh: seen,
+                               _trusted=lambda peer: peer != "p4")
+    progress.others = lambda fresh: Progress.others(progress, fresh)
+    # us, and p1; p2 is done and p3 has left (neither joins a round); p4 is distrusted (it served a bad state)
+    assert Progress.training_learners(progress) == 2
+
+
+def test_the_setting_is_checked_and_joins_the_lineage():
+    with pytest.raises(ConfigError, match="quorum"):
+        load_learner_config(SMALL, ["averaging.quorum=most"])
+    fixed, most = (load_learner_config(SMALL, o) for o in ([], ["averaging.quorum=majority"]))
+    assert lineage_id(fixed) == "2543e0b8"  # unchanged by the new setting's default
+    assert lineage_id(most) != lineage_id(fixed)  # learners that apply different quorums never meet

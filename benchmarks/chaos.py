@@ -34,6 +34,8 @@ on few cores; ``real_compute_share`` says how much of a step was computing.
 
     python benchmarks/chaos.py --learners 4 --duration 150 --mtbf 60 --seed 0 --json benchmarks/results/chaos.json
 
+``--short`` is the test suite's run (tests/integration/test_chaos_short.py): M = 4, one seed, 60 s per mode.
+
 ``--plot [PATH]`` draws each mode's learners from their audit logs (``p2p-diloco plot``); a killed and
 restarted learner is one line, its restarts visible as gaps.
 """
@@ -263,8 +265,13 @@ def main() -> None:
     ap.add_argument("--modes", default="decoupled,sync,clean,sync-clean")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
+    ap.add_argument("--short", action="store_true",
+                    help="the test suite's short mode: 4 learners, 60 s per mode, decoupled and sync only, two kills "
+                         "(seed 0: at 37 s and 48 s); checks that both goodput figures come out, not their values")
     add_plot_argument(ap, "chaos")
     args = ap.parse_args()
+    if args.short:
+        args.learners, args.duration, args.mtbf, args.downtime, args.modes = 4, 60.0, 80.0, 8.0, "decoupled,sync"
     schedule = failure_schedule(args.seed, args.learners, args.mtbf, args.duration)
     print(f"failure schedule (seed {args.seed}): {[(round(t, 1), i) for t, i in schedule]}", flush=True)
     results = []

@@ -51,9 +51,10 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from p2p_diloco import shard_sketches
 from p2p_diloco.aggregators import aggregate
 from p2p_diloco.codecs import decode
-from p2p_diloco.faults import FaultPlan
+from p2p_diloco.faults import LIE_SHARD_FACTOR, FaultPlan
 
 logger = get_logger(__name__)
 
@@ -160,7 +161,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = (AllOrNothingReducer(shapes, len(self.sender_peer_ids)) if aggregator == "mean"
                                     else RobustReducer(shapes, len(self.sender_peer_ids), aggregator))
         my_index = self.ordered_peer_ids.index(self.peer_id)
-        self._my_parts_with_info = list(self.tensor_part_container._input_parts_by_peer[my_index])
+        # Every reducer's (part, info) as we send them, kept for the sketch: hivemind clears its lists at the end.
+        self._parts_by_peer = [list(parts) for parts in self.tensor_part_container._input_parts_by_peer]
+        self._my_parts_with_info = self._parts_by_peer[my_index]
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
         self._codec = self.tensor_part_container.compression
         # Aligned with sender_peer_ids: from the gathered metadata, the same at every reducer.
@@ -168,6 +171,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.sender_scales = [float(c) for c in sender_scales] if sender_scales else [1.0] * len(sender_weights)
         if len(self.sender_weights) != len(self.sender_peer_ids) or len(self.sender_scales) != len(self.sender_weights):
             raise ValueError(f"{len(self.sender_weights)} weights for {len(self.sender_peer_ids)} senders")
+        self.aggregator = aggregator
         self.faults: FaultPlan = FaultPlan()  # fault injection (tests): set by the averager
         self.round = 0  # the version this round produces, for fault matching
         self.bytes_sent = 0
@@ -279,7 +283,32 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message
 
     def _compress_result(self, averaged: torch.Tensor):
+        if self.faults.lying("shard", self.round):  # a malicious reducer (tests): the same lie to everyone
+            averaged = averaged * LIE_SHARD_FACTOR
         return self._codec.compress(averaged, CompressionInfo.from_tensor(averaged))
+
+    def sketch(self, outputs: list[torch.Tensor]) -> dict | None:
+        """Our sketch of this all-reduce (:mod:`p2p_diloco.shard_sketches`): projections of the parts we sent
+        and of the shards we received; None under a robust aggregator (not linear) or if we sent nothing.
+
+        Call it after :meth:`collect` and before the input tensors are overwritten (our parts are views of them).
+        """
+        if self.aggregator != "mean" or self.peer_id not in self.sender_peer_ids:
+            return None
+        scale = self.sender_scales[self.sender_peer_ids.index(self.peer_id)]
+        seed = shard_sketches.seed_of(outputs)
+        result = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in outputs])
+        shards, sent, start = [], [], 0
+        for r, parts in enumerate(self._parts_by_peer):
+            n = sum(part.numel() for part, _ in parts)
+            if n:
+                shards.append((str(self.ordered_peer_ids[r]), start, start + n))
+                decoded = torch.cat([decode(self._codec.compress(part, info)).reshape(-1) for part, info in parts])
+                sent.append(decoded if scale == 1.0 else decoded * scale)  # as the reducer clips it (_clipped)
+            start += n
+        quantizer = getattr(self._codec, "quantizer", None)
+        bound = quantizer.error_bound if quantizer is not None else (lambda y: torch.zeros_like(y))
+        return shard_sketches.sketch(seed, shards, sent, result, bound)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
+import msgpack
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
@@ -26,11 +27,12 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_logger
+from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from p2p_diloco import shard_sketches
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
 from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
@@ -88,7 +90,7 @@ class OuterGradientAverager(DecentralizedAverager):
         self._codecs = list(codecs)
         self._base_quorum = int(kwargs.get("min_group_size", 2))  # K; a majority quorum only raises it
         self._base_target = int(kwargs.get("target_group_size") or self._base_quorum)  # and this, to at least itself
-        self._round_stats: dict[bytes, dict[str, float]] = {}
+        self._round_stats: dict[bytes, dict[str, Any]] = {}
         super().__init__(averaged_tensors, dht, **kwargs)
         serialize_requests(self)  # the round thread, the training loop and downloads all send requests
 
@@ -239,13 +241,35 @@ class OuterGradientAverager(DecentralizedAverager):
         runner.faults, runner.round = self._faults, self._fault_round
         self._running_groups[group_id].set_result(runner)
         outputs = await runner.collect()
+        seconds = time.perf_counter() - started
+        # Before the inputs are overwritten: our parts are views of them.
+        sketch = await asyncio.get_event_loop().run_in_executor(None, runner.sketch, outputs)
+        sketch_key = await self._publish_sketch(sketch) if sketch is not None else ""
         for tensor, averaged in zip(tensors, outputs, strict=True):
             tensor.copy_(averaged)
         self._round_stats[group_id] = {
-            "seconds": time.perf_counter() - started,
+            "seconds": seconds,
             "bytes_sent": runner.bytes_sent,
             "bytes_received": runner.bytes_received,
+            "sketch": sketch,
+            "sketch_key": sketch_key,
         }
+
+    async def _publish_sketch(self, sketch: dict[str, Any]) -> str:
+        """Store our sketch of the all-reduce, signed, at once (before the learner goes on to commit): our
+        groupmates check their shards against it even if we die right after (p2p_diloco/shard_sketches.py).
+        The key it is under, or "" when this DHT signs no records (nobody could trust it)."""
+        owner = getattr(self.dht, "owner", b"")
+        if not owner:
+            return ""
+        key = shard_sketches.sketch_key(self.prefix, sketch["seed"])
+        try:
+            stored = self.dht.store(key, msgpack.packb(sketch, use_bin_type=True), get_dht_time() + 300.0,
+                                    subkey=owner, return_future=True)
+            await asyncio.wait_for(stored, timeout=10.0)
+        except Exception as e:  # noqa: BLE001 - the groupmates will say whose sketch they miss
+            logger.debug(f"could not store our sketch under {key}: {e!r}")
+        return key
 
     def load_state_from_peer(self, peer: str, timeout: float, fragments: Sequence[int] | None = None):
         """Download the state of one given peer: an MPFuture of ((metadata, tensors) or None, bytes received).

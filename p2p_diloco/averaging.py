@@ -36,13 +36,16 @@ class AverageResult:
     ``groupmates``: every member's gathered metadata, ours and the excluded members' included;
     ``allreduce_seconds``, ``bytes_sent``: the all-reduce's duration, what we sent; ``verdict``: who was
     excluded from the round and why, and the weights and clipping the average used
-    (:func:`p2p_diloco.exclusion.judge` of ``groupmates``).
+    (:func:`p2p_diloco.exclusion.judge` of ``groupmates``); ``sketch``: our sketch of the all-reduce, for
+    checking the reducers (None: not made, e.g. under a robust aggregator).
     """
     deltas: list[torch.Tensor]
     groupmates: dict[str, dict[str, Any]]  # peer id -> metadata it gathered (version, sha, tokens, ...)
     allreduce_seconds: float
     bytes_sent: int
     verdict: Verdict = field(default_factory=Verdict)
+    sketch: dict[str, Any] | None = None  # projections of what we sent and received (p2p_diloco/shard_sketches.py)
+    sketch_key: str = ""  # where the group's members published theirs ("": not published, no signed records)
 
     @property
     def group_size(self) -> int:

@@ -19,7 +19,7 @@ every decoder checks types and sizes and reports a problem as a value.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -195,8 +195,11 @@ class Certifier(Protocol):
 
     lineage: str
 
-    def certify(self, commit: Commit) -> Certificate | str:
-        """The certificate, once a quorum signed; or why not (the caller does not commit)."""
+    def certify(self, commit: Commit, sketch: dict[str, Any] | None = None,
+                verify: Callable[[dict[str, Any]], str] | None = None, sketch_key: str = "") -> Certificate | str:
+        """The certificate, once a quorum signed; or why not (the caller does not commit). With ``verify``,
+        sign only if it passes on every contributor's sketch, ours ``sketch``, theirs under ``sketch_key``
+        (:mod:`p2p_diloco.shard_sketches`)."""
         ...
 
 

@@ -24,12 +24,17 @@ import msgpack
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.certificates import Certificate, Commit, Signature
-from p2p_diloco.signed_records import IdentityKey
+from p2p_diloco.signed_records import IdentityKey, peer_id_of_owner
 
 logger = logging.getLogger(__name__)
 
 _RECORD_SECONDS = 300.0  # how long a signature stays in the DHT: long enough for late groupmates
 _MAX_VALUE_BYTES = 64 * 1024
+
+
+def _peer_of(subkey: Any) -> str | None:
+    peer = peer_id_of_owner(subkey)
+    return None if peer is None else str(peer)
 
 
 @dataclass
@@ -44,10 +49,19 @@ class CommitBoard:
     settle: float = 1.0  # after the quorum, wait this long for the other contributors' signatures
     poll: float = 0.2
     should_stop: Callable[[], bool] = lambda: False
+    owner_of: Callable[[Any], str | None] = field(default=lambda subkey: _peer_of(subkey))  # subkey → peer id
     _me: Signature | None = field(default=None, init=False, repr=False)
 
-    def certify(self, commit: Commit) -> Certificate | str:
-        """Sign ``commit``, publish the signature, collect the others'; the certificate, or why it failed."""
+    def certify(self, commit: Commit, sketch: dict[str, Any] | None = None,
+                verify: Callable[[dict[str, Any]], str] | None = None, sketch_key: str = "") -> Certificate | str:
+        """Sign ``commit``, publish the signature, collect the others'; the certificate, or why it failed.
+
+        With ``verify`` (a round's reducers are checked, :mod:`p2p_diloco.shard_sketches`): first wait for the
+        sketch of every contributor under ``sketch_key`` (each member's averager published its own there right
+        after the all-reduce; ``sketch`` is ours), and sign only if ``verify(sketches by peer id)`` returns ""
+        (else fail with its reason): an honest member never signs a commit whose shards do not match what
+        their senders sent.
+        """
         mine = Signature.make(self.key, commit)
         cert = Certificate(commit, (mine,))
         # A merge of lineages names no contributors: it waits for a quorum like a round of K.
@@ -55,10 +69,14 @@ class CommitBoard:
         if everyone <= 1:
             return cert  # a round of one: our own signature is the whole certificate
         key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"
+        started, reached = time.monotonic(), None
+        if verify is not None:
+            why = self._verified(sketch_key, commit, sketch, verify, started)
+            if why:
+                return why
         value = msgpack.packb({"commit": commit.to_dict(), "signature": mine.to_list()}, use_bin_type=True)
         if not self.dht.store(key, value, get_dht_time() + _RECORD_SECONDS, subkey=self.dht.owner):
             logger.debug(f"could not store our signature of {key} (continuing: peers may still read it)")
-        started, reached = time.monotonic(), None
         while True:
             cert = cert.merged_with(self._read(key, commit))
             signers = len(cert.signers())
@@ -74,8 +92,37 @@ class CommitBoard:
                         f"{signers} of the quorum {self.quorum} signatures within {self.timeout:g} s")
             time.sleep(self.poll)
 
-    def _read(self, key: str, commit: Commit) -> list[Signature]:
-        """The signatures of exactly ``commit`` stored under ``key`` (anything else is ignored)."""
+    def _verified(self, sketch_key: str, commit: Commit, sketch: dict[str, Any] | None,
+                  verify: Callable[[dict[str, Any]], str], started: float) -> str:
+        """Wait for every contributor's sketch; ``verify``'s verdict on them, or why they did not come."""
+        me = self.owner_of(self.dht.owner)
+        while True:
+            found = self._sketches(sketch_key) if sketch_key else {}
+            if me is not None and sketch is not None:
+                found[me] = sketch
+            missing = [p for p in commit.contributors if p not in found]
+            if not missing:
+                return verify(found)
+            if time.monotonic() - started >= self.timeout or self.should_stop():
+                return (f"commit of fragment {commit.fragment} version {commit.version} not signed: its reducers "
+                        f"could not be checked, no sketch from {', '.join(p[-6:] for p in missing)} within "
+                        f"{self.timeout:g} s")
+            time.sleep(self.poll)
+
+    def _sketches(self, key: str) -> dict[str, Any]:
+        """The sketches stored under ``key``, by the peer id their owner marker names (unsigned ones are ignored)."""
+        out: dict[str, Any] = {}
+        for subkey, raw in self._raw_entries(key):
+            peer = self.owner_of(subkey)
+            if peer is None:
+                continue
+            try:
+                out[peer] = msgpack.unpackb(raw, raw=False)
+            except Exception:  # noqa: BLE001 - a peer's malformed entry: the check names it as missing or malformed
+                continue
+        return out
+
+    def _raw_entries(self, key: str) -> list[tuple[Any, bytes]]:
         try:
             found = self.dht.get(key, latest=True)
         except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
@@ -83,11 +130,13 @@ class CommitBoard:
             return []
         if found is None or not isinstance(found.value, dict):
             return []
+        return [(subkey, item.value) for subkey, item in found.value.items()
+                if isinstance(getattr(item, "value", None), bytes) and len(item.value) <= _MAX_VALUE_BYTES]
+
+    def _read(self, key: str, commit: Commit) -> list[Signature]:
+        """The signatures of exactly ``commit`` stored under ``key`` (anything else is ignored)."""
         out = []
-        for item in found.value.values():
-            raw = getattr(item, "value", None)
-            if not isinstance(raw, bytes) or len(raw) > _MAX_VALUE_BYTES:
-                continue
+        for _, raw in self._raw_entries(key):
             try:
                 entry = msgpack.unpackb(raw, raw=False)
                 if Commit.from_dict(entry["commit"]) == commit:

@@ -155,6 +155,10 @@ class AveragingConfig(_Section):
         "mean", description="how reducers combine the contributions to their shard: the token-weighted mean, or a "
                             "robust coordinate-wise median / trimmed mean that ignores self-reported weights "
                             "(p2p_diloco/aggregators.py)")
+    verify_reducers: bool = Field(
+        True, description="before signing a round, check every shard against projections of what its senders sent "
+                          "(p2p_diloco/shard_sketches.py): a reducer that returns a chosen shard fails the round "
+                          "instead of being committed; needs every contributor's sketch (mean aggregator only)")
     certify_timeout: float = Field(
         10.0, gt=0.0, description="after the all-reduce, how long a round waits for the signatures of at least K "
                                   "contributors (its commit certificate) before it fails without committing")

@@ -249,6 +249,15 @@ class Bans:
         """The peers this learner bans now, as it gathers them (sorted, at most :data:`MAX_BANS`)."""
         return sorted(self._left)[:MAX_BANS]
 
+    def accuse(self, peer: str, me: str, why: str) -> None:
+        """Ban ``peer`` (not ``me``) from this learner's next rounds on evidence found after a round, not in its verdict
+        (a reducer whose shard did not match what its senders sent, p2p_diloco/shard_sketches.py)."""
+        if peer == me or self.rounds <= 0:
+            return
+        if peer not in self._left:
+            logger.info(f"{peer[-6:]} is banned from this learner's next {self.rounds} rounds: {why}")
+        self._left[peer] = self.rounds + 1  # the next round's after_round counts one off
+
     def after_round(self, verdict: Verdict | None, me: str) -> list[str]:
         """Count one round of this learner; ban the peers ``verdict`` excluded on evidence (not ``me``).
 

@@ -6,7 +6,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     hang for S s at round R during STAGE
     drop for S s at round R during STAGE
     poison at round R with nan|flip|scale X
-    lie at round R with ahead|state|weight
+    lie at round R with ahead|state|weight|shard
 
 A *round R* is the round that produces global version R of a fragment (the R-th outer step). A fault
 fires once, the first time the learner reaches its STAGE in round R **or a later one**: a learner
@@ -38,7 +38,9 @@ updates). The round then gathers the corrupted Δ's norm, as an honest but broke
 claim 1,000 versions more than it holds (a forged "the swarm is ahead"); ``state`` serves a poisoned
 global state, Θ scaled by −50 at a version 3 ahead, whose history lists the states its victims hold
 (it is its own lineage's history), hash recomputed, and advertises it in its progress record;
-``weight`` gathers a weight of 1e15 for its outer gradient (its tokens as it reports them).
+``weight`` gathers a weight of 1e15 for its outer gradient (its tokens as it reports them); ``shard``
+returns the shard it reduces scaled by −50 to every member, itself included (a malicious reducer; the
+members' sketches catch it, :mod:`p2p_diloco.shard_sketches`).
 
 Example, as a test would write it::
 
@@ -70,9 +72,10 @@ _LINE = re.compile(
 _POISON = re.compile(
     r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale)(?:\s+(?P<factor>\S+))?\s*$"
 )
-_LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>ahead|state|weight)\s*$")
+_LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>ahead|state|weight|shard)\s*$")
 LIE_WEIGHT = 1e15  # the weight a learner lying "with weight" gathers for its outer gradient
 LIE_VERSIONS = {"ahead": 1000, "state": 3}  # how far ahead each lie claims to be
+LIE_SHARD_FACTOR = -50.0  # what a reducer lying "with shard" multiplies its averaged shard by
 
 
 class FaultPlanError(ValueError):
@@ -116,7 +119,8 @@ class FaultPlan:
             if line.strip().startswith("lie"):
                 lie = _LIE.match(line)
                 if not lie:
-                    raise FaultPlanError(f"fault {line.strip()!r}: expected 'lie at round R with ahead|state|weight'")
+                    raise FaultPlanError(
+                        f"fault {line.strip()!r}: expected 'lie at round R with ahead|state|weight|shard'")
                 faults.append(Fault("lie", int(lie["round"]), "record", mode=lie["mode"]))
                 continue
             m = _LINE.match(line)

@@ -155,6 +155,10 @@ class HivemindAveraging:
             self._last_verdict = result.verdict
             return result
 
+    def accuse(self, peer: str, why: str) -> None:
+        """Ban ``peer`` from this learner's next rounds (:meth:`p2p_diloco.exclusion.Bans.accuse`)."""
+        self._bans.accuse(peer, self.peer_id, why)  # one dict assignment: no lock against a round in flight
+
     def round_quorum(self) -> int:
         """This round's quorum: K, and with ``cfg.quorum == "majority"`` more than half of the learners
         training as the swarm's records last showed them."""
@@ -238,6 +242,8 @@ class HivemindAveraging:
             allreduce_seconds=float(stats.get("seconds", 0.0)),
             bytes_sent=int(stats.get("bytes_sent", 0)),
             verdict=result.get("verdict") or Verdict(),
+            sketch=stats.get("sketch"),
+            sketch_key=str(stats.get("sketch_key") or ""),
         )
 
     def searching_peers(self, fragment: int, version: int) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from p2p_diloco import shard_sketches
 from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
 from p2p_diloco.certificates import Certifier, Commit
 from p2p_diloco.exclusion import Verdict
@@ -84,6 +85,7 @@ class OuterRound:
     rda: bool = False
     grace: float | None = None
     certifier: Certifier | None = None  # None: commits carry no certificate (tests of the round alone)
+    verify_reducers: bool = True  # check the shards against the senders' sketches before signing (mean only)
     stage: Stage = field(init=False, default=Stage.PREPARED)
     _delta: list[torch.Tensor] = field(init=False, repr=False)
     _norm: float = field(init=False, default=0.0)
@@ -168,8 +170,13 @@ class OuterRound:
         new_sha = self.state.sha256()
         certifying = time.perf_counter()
         if self.certifier is not None:
-            cert = self.certifier.certify(Commit(self.certifier.lineage, self.fragment, self.state.version,
-                                                 new_sha, meta["sha256"], tuple(sorted(contributors))))
+            commit = Commit(self.certifier.lineage, self.fragment, self.state.version, new_sha, meta["sha256"],
+                            tuple(sorted(contributors)))
+            if self.verify_reducers and result.sketch is not None and result.sketch_key:
+                cert = self.certifier.certify(commit, sketch=result.sketch, sketch_key=result.sketch_key,
+                                              verify=self._reducers_checker(result.sketch, result.verdict, mates))
+            else:
+                cert = self.certifier.certify(commit)
             if isinstance(cert, str):
                 return self._fail(cert, group_size=len(contributors))
             self.state.add_certificate(self.state.version, cert.to_dict())
@@ -194,6 +201,23 @@ class OuterRound:
             logger.log(logging.INFO if exclusion.banned else logging.WARNING,
                        f"excluded {peer[-6:]} from fragment {self.fragment} version {self.state.version}: "
                        f"{exclusion.why}")
+
+    def _reducers_checker(self, mine: dict[str, Any], verdict: Verdict, mates: dict[str, dict[str, Any]]):
+        """``verify`` for the commit board: do the shards we received match what their senders sketched?"""
+        weights = {p: self._weight(verdict, p, mates) for p in mates}
+        # A bound on each sender's whole part as its reducers saw it (unit vectors, or clipped Δ, plus rounding).
+        norms = {p: 1.1 * (1.0 if p in verdict.unit else float(mates[p]["norm"]) * verdict.scale(p)) for p in mates}
+
+        def verify(sketches: dict[str, Any]) -> str:
+            why, reducer = shard_sketches.first_mismatch(mine, sketches, weights, norms)
+            if why:
+                logger.warning(f"fragment {self.fragment} version {self.state.version}: not signing the round: {why}")
+            accuse = getattr(self.averaging, "accuse", None)
+            if reducer is not None and accuse is not None:
+                accuse(reducer, "its shard did not match what its senders sent")
+            return why
+
+        return verify
 
     @staticmethod
     def _weight(verdict: Verdict, peer: str, mates: dict[str, dict[str, Any]]) -> float:

@@ -77,18 +77,39 @@ def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_
     """The default token-weighted mean: the liar's weight of 1e15 is recomputed from its tokens and steps
     (p2p_diloco/exclusion.py), so its sign-flipped outer gradient counts like one honest learner's and the
     three honest ones outweigh it. Unbounded, the same run ended at eval loss 32.0 (docs/security.md)."""
+    liar_id, texts = _three_honest_and_one(swarm, "poison at round 2 with flip; lie at round 2 with weight")
+    groups = [int(n) for t in texts for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", t)]
+    assert 4 in groups, groups  # the liar was in the rounds: bounded, not left out
+    bounded = [t for t in texts if f"bounded the weight of {liar_id[-6:]}: it claimed weight 1e+15" in t]
+    assert bounded, "\n".join(t[-3000:] for t in texts)
+
+
+@pytest.mark.timeout(300)
+def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm):
+    """From round 2 on the liar returns the shard it reduces scaled by −50, to everyone alike: every member
+    would commit the same poisoned state, and the commit certificate would hold. The members' sketches
+    (p2p_diloco/shard_sketches.py) catch it before anyone signs; they ban the reducer and commit without it."""
+    liar_id, texts = _three_honest_and_one(swarm, "lie at round 2 with shard")
+    caught = [t for t in texts if f"not signing the round: the shard reduced by {liar_id[-6:]} does not match" in t]
+    assert caught, "\n".join(t[-3000:] for t in texts)
+    assert any(f"{liar_id[-6:]} is banned from this learner's next" in t for t in texts)
+    # Rounds after the lie committed without the liar: groups of the three honest learners.
+    late = [int(n) for t in texts
+            for v, n in re.findall(r"outer round committed \| version (\d+) \S+ \S+ group (\d+)", t) if int(v) >= 3]
+    assert late and 3 in late, late
+
+
+def _three_honest_and_one(swarm, fault: str) -> tuple[str, list[str]]:
+    """Three honest learners and one with ``fault`` to version TARGET: the honest ones end on one state
+    with a falling eval loss. The liar's peer id and the honest learners' logs."""
     swarm.start_bootstrap()
     liar_id = peer_id_of(swarm.tmp / "ckpt-3" / "identity.key")
     honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]
-    swarm.start_learner(3, max_outer_steps=TARGET,
-                        extra=["--fault", "poison at round 2 with flip; lie at round 2 with weight"])
+    swarm.start_learner(3, max_outer_steps=TARGET, extra=["--fault", fault])
     for p in honest:
         assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, range(3), TARGET)
     texts = [p.text() for p in honest]
     for text, s in zip(texts, summaries, strict=True):
         assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, (s, text[-3000:])
-    groups = [int(n) for t in texts for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", t)]
-    assert 4 in groups, groups  # the liar was in the rounds: bounded, not left out
-    bounded = [t for t in texts if f"bounded the weight of {liar_id[-6:]}: it claimed weight 1e+15" in t]
-    assert bounded, "\n".join(t[-3000:] for t in texts)
+    return liar_id, texts

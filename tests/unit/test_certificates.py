@@ -158,3 +158,57 @@ def test_a_merge_waits_for_a_quorum_of_signers_though_it_names_no_contributors(p
     for r in results:
         assert isinstance(r, Certificate) and len(r.signers()) == 2, r
         assert Verifier("run-lin", 2).check(0, 9, SHA, [r.to_dict()]) == ""
+
+
+def test_a_member_signs_only_once_every_contributors_sketch_passes_its_check(peers):
+    """Sketches first (p2p_diloco/shard_sketches.py): a failed check means no signature of ours is ever stored."""
+    shared: dict = {}
+    commit = _commit(peers)
+    owners = {f"owner-{i}".encode(): peers[i][0] for i in range(3)}
+    seen: list = [None] * 3
+
+    def board(i, timeout=5.0):
+        return CommitBoard(_Dht(shared, f"owner-{i}".encode()), "run-lin", peers[i][1], quorum=2, timeout=timeout,
+                           poll=0.01, owner_of=owners.get)
+
+    def publish(i):  # what each member's averager stores right after the all-reduce
+        shared.setdefault("sk", {})[f"owner-{i}".encode()] = SimpleNamespace(value=msgpack.packb({"from": i}))
+
+    def verify(i, verdict):
+        def check(sketches):
+            seen[i] = dict(sketches)
+            return verdict
+        return check
+
+    results: list = [None] * 3
+
+    def go(i, verdict):
+        results[i] = board(i).certify(commit, sketch={"from": i}, verify=verify(i, verdict), sketch_key="sk")
+
+    for i in range(3):
+        publish(i)
+    shared["sk"][b"unsigned"] = SimpleNamespace(value=msgpack.packb({"from": "a forger"}))  # names no owner
+    threads = [threading.Thread(target=go, args=(i, "")) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    for i, r in enumerate(results):
+        assert isinstance(r, Certificate) and r.signers() == set(commit.contributors), r
+        assert seen[i] == {peers[j][0]: {"from": j} for j in range(3)}  # every contributor's sketch, no forger's
+
+    # A check that fails: the round fails with its reason, and no signature of ours reaches the DHT.
+    del shared["run-lin_commit_0_5"]
+    others = [threading.Thread(target=go, args=(i, "")) for i in (1, 2)]
+    [t.start() for t in others]
+    refused = board(0).certify(commit, sketch={"from": 0}, verify=verify(0, "the shard reduced by x lied"),
+                               sketch_key="sk")
+    [t.join(10) for t in others]
+    assert refused == "the shard reduced by x lied"
+    assert b"owner-0" not in shared["run-lin_commit_0_5"]
+    assert all(isinstance(r, Certificate) and r.signers() == {peers[1][0], peers[2][0]} for r in results[1:])
+
+    # A contributor whose sketch never comes: the others cannot check, and sign nothing.
+    shared.clear()
+    publish(1)
+    out = board(0, timeout=0.3).certify(commit, sketch={"from": 0}, verify=verify(0, ""), sketch_key="sk")
+    assert isinstance(out, str) and "could not be checked, no sketch from" in out and peers[2][0][-6:] in out, out
+    assert "run-lin_commit_0_5" not in shared

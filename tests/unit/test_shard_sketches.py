@@ -1,0 +1,111 @@
+"""Checking the reducers with random projections (p2p_diloco/shard_sketches.py), without networking.
+
+Three senders, two reducers: each sender's part of each shard goes through the codec as it would on the
+wire; a reducer's shard is the weighted fp32 mean of the decoded parts, rounded by the codec for the
+reply; every member sketches what it sent and what it received, and checks the others' sketches.
+"""
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco import shard_sketches
+from p2p_diloco.quantization import get_quantizer
+
+PEERS = ["peer-aaaaaa", "peer-bbbbbb", "peer-cccccc"]
+SHARDS = [("peer-aaaaaa", 0, 700), ("peer-bbbbbb", 700, 1000)]  # peer-cccccc reduces nothing (a client)
+WEIGHTS = {"peer-aaaaaa": 1.0, "peer-bbbbbb": 2.5, "peer-cccccc": 4.0}
+
+
+def _round(codec: str, lie=None, seed: int = 0):
+    """Every member's sketch, as each would make it; ``lie(shard index, y) -> y'``: what a reducer returns."""
+    q = get_quantizer(codec, 64)
+    g = torch.Generator().manual_seed(seed)
+    parts = {p: torch.randn(1000, generator=g) * (i + 1) for i, p in enumerate(PEERS)}
+    sent = {p: torch.cat([q.decode(q.encode(x[a:b]), (b - a,)) for _, a, b in SHARDS]) for p, x in parts.items()}
+    total = sum(WEIGHTS.values())
+    result = []
+    for r, (_, a, b) in enumerate(SHARDS):
+        acc = torch.zeros(b - a)
+        for p in PEERS:
+            acc.add_(sent[p][a:b], alpha=WEIGHTS[p])
+        y = acc / total
+        if lie is not None:
+            y = lie(r, y)
+        result.append(q.decode(q.encode(y), (b - a,)))
+    y = torch.cat(result)
+    seed_hex = shard_sketches.seed_of([y])
+    sketches = {p: shard_sketches.sketch(seed_hex, SHARDS, [sent[p][a:b] for _, a, b in SHARDS], y, q.error_bound)
+                for p in PEERS}
+    norms = {p: 1.1 * float(sent[p].norm()) for p in PEERS}
+    return sketches, norms
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4"])
+def test_honest_reducers_pass_with_every_codec(codec):
+    for seed in range(5):
+        sketches, norms = _round(codec, seed=seed)
+        for p in PEERS:
+            assert shard_sketches.check(sketches[p], sketches, WEIGHTS, norms) == "", (codec, seed, p)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("lie", ["flip", "scale", "replace", "nudge"])
+def test_a_reducer_that_returns_another_shard_is_caught_by_every_member(codec, lie):
+    def liar(r, y):
+        if r != 1:
+            return y
+        if lie == "flip":
+            return -y
+        if lie == "scale":
+            return y * -50
+        if lie == "replace":
+            return torch.randn(y.numel(), generator=torch.Generator().manual_seed(9))
+        return y + 0.5 * y.norm() / math.sqrt(y.numel())  # a shift of half the shard's norm, every value alike
+
+    sketches, norms = _round(codec, lie=liar)
+    for p in PEERS:
+        why = shard_sketches.check(sketches[p], sketches, WEIGHTS, norms)
+        assert "the shard reduced by bbbbbb does not match what its senders sent" in why, (lie, why)
+
+
+def test_a_shift_within_the_codecs_rounding_is_not_a_lie():
+    # int8 rounds each value by up to half its block's scale: a shift far below that is honest noise.
+    sketches, norms = _round("int8", lie=lambda r, y: y + 1e-4 * y.abs().max())
+    assert all(shard_sketches.check(sketches[p], sketches, WEIGHTS, norms) == "" for p in PEERS)
+
+
+def test_missing_or_malformed_sketches_are_named():
+    sketches, norms = _round("none")
+    mine = sketches[PEERS[0]]
+    others = {p: s for p, s in sketches.items() if p != "peer-cccccc"}
+    assert shard_sketches.check(mine, others, WEIGHTS, norms) == "no sketch from cccccc"
+    for bad, why in (
+        ({**sketches[PEERS[2]], "sent": [[float("nan")] * 4, [0.0] * 4]}, "malformed projections"),
+        ({**sketches[PEERS[2]], "sent": [[0.0] * 3, [0.0] * 4]}, "malformed projections"),
+        ({**sketches[PEERS[2]], "sent": [[True] * 4, [0.0] * 4]}, "malformed projections"),
+        ({**sketches[PEERS[2]], "sent": "x"}, "malformed projections"),
+        ({**sketches[PEERS[2]], "seed": "0" * 64}, "computed from another result"),
+        ({**sketches[PEERS[2]], "shards": [["peer-aaaaaa", 0, 1000]]}, "another layout"),
+        ([1, 2], "not a sketch"),
+    ):
+        got = shard_sketches.check(mine, {**sketches, "peer-cccccc": bad}, WEIGHTS, norms)
+        assert got == f"the sketch of cccccc is {why}" or why in got, (bad, got)
+
+
+def test_a_sender_whose_sketch_lies_fails_the_check_too():
+    # Nobody can tell it from a lying reducer: the round fails, and the message says so.
+    sketches, norms = _round("none")
+    liar = dict(sketches["peer-cccccc"])
+    liar["sent"] = [[x * 3 for x in s] for s in liar["sent"]]
+    why = shard_sketches.check(sketches[PEERS[0]], {**sketches, "peer-cccccc": liar}, WEIGHTS, norms)
+    assert "does not match" in why and "or a sender's sketch, lied" in why
+
+
+def test_projections_depend_on_the_seed_and_shard_only():
+    v = torch.arange(10, dtype=torch.float32)
+    assert shard_sketches.projections("s", 0, v) == shard_sketches.projections("s", 0, v)
+    assert shard_sketches.projections("s", 0, v) != shard_sketches.projections("s", 1, v)
+    assert shard_sketches.projections("s", 0, v) != shard_sketches.projections("t", 0, v)
+    assert len(shard_sketches.projections("s", 0, v)[0]) == shard_sketches.PROJECTIONS

@@ -244,7 +244,7 @@ class OuterOptimizer:
                 p.sub_(b, alpha=lr)
         state.momentum_initialized = True
         state.version += 1
-        state.tokens += int(tokens)
+        state.tokens = min(state.tokens + max(int(tokens), 0), MAX_TOKENS - 1)  # saturates: always serializable
         state.remember()
 
 

@@ -125,3 +125,15 @@ def test_history_tells_descendants_from_siblings_and_merge_is_deterministic():
     expected = (a.params[0].double() * 100 + b.params[0].double() * 300) / 400
     torch.testing.assert_close(m1.params[0], expected.float())
     assert m1.momentum_initialized
+
+
+def test_the_token_count_saturates_below_the_records_limit():
+    from p2p_diloco.outer import MAX_TOKENS
+
+    state = GlobalState.from_module(torch.nn.Linear(3, 1))
+    opt = OuterOptimizer(OuterConfig(lr=0.5))
+    ones = [torch.ones_like(p) for p in state.params]
+    opt.apply(state, ones, tokens=MAX_TOKENS - 10)
+    opt.apply(state, ones, tokens=2**63 - 1)
+    assert state.tokens == MAX_TOKENS - 1 and state.version == 2
+    assert GlobalState.from_dict(state.to_dict()).tokens == MAX_TOKENS - 1  # still a valid state to serve

@@ -159,9 +159,7 @@ class Verdict:
     ``excluded``: peer → :class:`Exclusion`; ``weights``: each contributor's weight, from its gathered
     metadata and bounded by the rules; ``scales``: each contributor's clipping factor (1.0: not clipped);
     ``unit``: the contributors whose parts are unit vectors (radial-directional averaging); ``bounded``:
-    contributor → why its claimed weight or tokens were cut down to what its steps allow; ``tokens``: the
-    tokens each contributor counts with in the state's token count (bounded like its weight; absent: none
-    gathered).
+    contributor → why its claimed weight or tokens were cut down to what its steps allow.
     """
 
     excluded: dict[str, Exclusion] = field(default_factory=dict)
@@ -170,7 +168,6 @@ class Verdict:
     unit: frozenset[str] = frozenset()
     aggregator: str = "mean"  # the rules' aggregator: how reducers combine the contributions
     bounded: dict[str, str] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
 
     def contributors(self, peers: Iterable[str]) -> list[str]:
         """``peers`` that are not excluded, sorted."""
@@ -198,7 +195,6 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     norms: dict[str, float] = {}
     steps: dict[str, int] = {}
     bounded: dict[str, str] = {}
-    tokens: dict[str, int] = {}
     source = "averaging.max_tokens_per_step" if rules.tokens_per_step is not None else "the group's lower median"
     rules = _with_step_tokens(gathered, rules)
     for peer in sorted(gathered):
@@ -212,8 +208,6 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
         weights[peer], bounded_why = _bounded_weight(meta, weight, rules, source)
         if bounded_why:
             bounded[peer] = bounded_why
-        if meta.get("tokens") is not None:
-            tokens[peer] = _state_tokens(meta, rules)
         if meta.get("norm") is not None:
             norms[peer] = _number(meta["norm"]) or 0.0
             steps[peer] = _steps(meta) if rules.max_steps is None else min(_steps(meta), rules.max_steps)
@@ -238,7 +232,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     for peer, why in bounded.items():
         logger.warning(f"bounded the weight of {peer[-6:]}: {why}")
     return Verdict(excluded, {p: w for p, w in weights.items() if p not in excluded}, scales, unit, rules.aggregator,
-                   bounded, {p: t for p, t in tokens.items() if p not in excluded})
+                   bounded)
 
 
 @dataclass
@@ -324,37 +318,15 @@ def _with_step_tokens(gathered: Mapping[str, Any], rules: Rules) -> Rules:
     return replace(rules, tokens_per_step=told[(len(told) - 1) // 2]) if told else rules
 
 
-def _counted(meta: Mapping[str, Any], rules: Rules) -> tuple[int, int] | None:
-    """(tokens, steps) a valid member counts with under ``rules``: its steps up to S, its tokens up to that many
-    steps' worth; None when the rules bound nothing (no T or no S)."""
+def _bounded_weight(meta: Mapping[str, Any], claimed: float, rules: Rules, source: str) -> tuple[float, str]:
+    """The weight a valid member counts with under ``rules``, and why it was cut down ("" when it was not)."""
     per_step, max_steps = rules.tokens_per_step, rules.max_steps
     if per_step is None or max_steps is None:
-        return None
+        return claimed, ""
     steps, tokens = meta.get("steps"), meta.get("tokens")  # valid counts or absent: checked by _broken
     counted_steps = max_steps if steps is None else min(steps, max_steps)
     allowed = counted_steps * per_step
-    return (allowed if tokens is None else min(tokens, allowed)), counted_steps
-
-
-def _state_tokens(meta: Mapping[str, Any], rules: Rules) -> int:
-    """The tokens a valid member adds to the state's count: its claim, up to S steps of the larger of T and its
-    own gathered step size (a unit of W workers keeps its W workers' tokens, which its weight does not)."""
-    tokens = int(meta["tokens"])
-    if rules.tokens_per_step is None or rules.max_steps is None:
-        return tokens
-    steps = meta.get("steps")
-    per_step = max(rules.tokens_per_step, _count(meta.get("step_tokens")) or 0)
-    return min(tokens, (rules.max_steps if steps is None else min(steps, rules.max_steps)) * per_step)
-
-
-def _bounded_weight(meta: Mapping[str, Any], claimed: float, rules: Rules, source: str) -> tuple[float, str]:
-    """The weight a valid member counts with under ``rules``, and why it was cut down ("" when it was not)."""
-    counted = _counted(meta, rules)
-    if counted is None:
-        return claimed, ""
-    per_step, max_steps = rules.tokens_per_step or 0, rules.max_steps or 0  # both set: _counted bounded them
-    steps, tokens = meta.get("steps"), meta.get("tokens")
-    counted_tokens, counted_steps = counted
+    counted_tokens = allowed if tokens is None else min(tokens, allowed)
     bound = token_weight(counted_tokens, counted_steps, 0, rules.weighting)
     # Reported: a weight cut down, or more tokens than its own steps hold (beyond S steps is no lie).
     if claimed <= bound and (tokens is None or tokens <= (max_steps if steps is None else steps) * per_step):

@@ -164,8 +164,7 @@ class OuterRound:
         if problem:
             return self._fail(problem, group_size=len(contributors))
         self.stage = Stage.VALIDATED
-        counted = {p: result.verdict.tokens.get(p, int(m.get("tokens", 0))) for p, m in mates.items()}
-        group_tokens = sum(counted.values())  # bounded like the weights: no claim inflates the state's count
+        group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
         self.optimizer.apply(self.state, averaged, tokens=group_tokens)
         self.state.record_contributors(self.state.version, contributors)
         new_sha = self.state.sha256()
@@ -191,7 +190,8 @@ class OuterRound:
             certify_seconds=time.perf_counter() - certifying,
             parent=meta["sha256"],
             sha256=new_sha,
-            members={p: {"tokens": counted[p], "weight": self._weight(result.verdict, p, mates)} for p in mates},
+            members={p: {"tokens": int(m.get("tokens", 0)), "weight": self._weight(result.verdict, p, mates)}
+                     for p, m in mates.items()},
         )
 
     def _log_exclusions(self, verdict: Verdict) -> None:

@@ -90,7 +90,8 @@ def test_status_and_metrics_during_a_run(swarm):
                     if n == "p2p_diloco_rounds_total" and ("outcome", "committed") in labels)
     assert 1 <= committed <= s["outer_steps"]
     assert last[("p2p_diloco_version", (("fragment", "0"),))] >= 1
-    assert 1 <= last[("p2p_diloco_matchmaking_seconds_count", ())] <= committed
+    # The last scrape may fall between a round's group forming and its commit being counted.
+    assert 1 <= last[("p2p_diloco_matchmaking_seconds_count", ())] <= committed + 1
     assert 1.0 in peers_visible, peers_visible  # the other learner
     assert last[("p2p_diloco_refusals_total", (("kind", "download_rejected"),))] == 0
     audit = [json.loads(line) for line in (swarm.tmp / "ckpt-0" / "audit.jsonl").read_text().splitlines()]

@@ -258,23 +258,6 @@ def test_a_weight_of_1e15_counts_as_what_its_steps_allow(caplog):
     assert judge(gathered, Rules()).weights["liar"] == 1e15
 
 
-def test_the_tokens_a_member_adds_to_the_state_are_bounded_like_its_weight():
-    """The state's token count sums the verdict's tokens: a claim of 2^63 - 1 tokens adds what 2H steps hold
-    (of T tokens, or of the member's own gathered step size if larger)."""
-    top = 2**63 - 1
-    gathered = {"a": _learner(10), "b": _learner(7), "liar": _learner(top, tokens=top, weight=float(top), norm=1.0),
-                "slow": _learner(50)}
-    verdict = judge(gathered, BOUNDS)
-    assert verdict.tokens == {"a": 10_000, "b": 7_000, "liar": 20 * 1000, "slow": 20 * 1000}
-    assert sum(verdict.tokens.values()) < 2**62  # the state stays serializable (outer.MAX_TOKENS)
-    # A unit of 2 workers keeps its workers' tokens in the count (its weight counts one worker's step size).
-    unit = _learner(10, workers=2, step_tokens=2000)
-    verdict = judge({"a": _learner(10, step_tokens=1000), "unit": unit}, BOUNDS)
-    assert verdict.tokens == {"a": 10_000, "unit": 20_000} and verdict.weights["unit"] == verdict.weights["a"]
-    # Without bounds in the rules the claims stand; excluded members add nothing.
-    assert judge({"a": _learner(10), "x": _learner(10, finite=False)}, Rules()).tokens == {"a": 10_000}
-
-
 def test_tokens_are_bounded_by_steps_times_tokens_per_step_and_steps_by_the_cap():
     lie = _learner(10, tokens=10**9, weight=token_weight(10**9, 10))
     verdict = judge({"a": _learner(10), "liar": lie}, BOUNDS)

@@ -36,7 +36,8 @@ Incoming parts that are not finite are refused and their sender is banned from t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -47,7 +48,7 @@ from hivemind.averaging.partition import (
     TensorPartReducer,
 )
 from hivemind.compression import CompressionInfo
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
@@ -55,12 +56,18 @@ from p2p_diloco import shard_sketches
 from p2p_diloco.aggregators import aggregate
 from p2p_diloco.codecs import decode
 from p2p_diloco.faults import LIE_SHARD_FACTOR, FaultPlan
+from p2p_diloco.malformed import malform
 
 logger = get_logger(__name__)
 
 
 class IncompleteAllReduce(AllreduceException):
     """Some shard of the result never arrived; the round must not be committed."""
+
+
+class MalformedPart(ValueError):
+    """A part or reply from a peer that does not fit what the round expects (refused before decoding when
+    its header shows it)."""
 
 
 class NotInGroup(AllreduceException):
@@ -141,11 +148,13 @@ class ExactAllReduceRunner(AllReduceRunner):
     """:class:`AllReduceRunner` that returns averages (not deltas) identical across the group.
 
     ``sender_weights`` and ``sender_scales`` (default 1.0): each sender's weight and clipping factor, in the
-    order of ``sender_peer_ids`` (the members that are not auxiliary), from the gathered metadata.
+    order of ``sender_peer_ids`` (the members that are not auxiliary), from the gathered metadata;
+    ``sender_norms`` (default unbounded): the norm each sender declared for its whole contribution as the
+    reducers see it (clipped): a part larger than that is refused.
     """
 
     def __init__(self, *, tensors, peer_fractions, ordered_peer_ids, p2p, sender_weights, sender_scales=None,
-                 aggregator="mean", **kwargs):
+                 sender_norms=None, aggregator="mean", **kwargs):
         # (unannotated like hivemind's: annotating would make mypy check a body built on untyped attributes)
         container_kwargs = {
             k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos") if k in kwargs
@@ -169,14 +178,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         # Aligned with sender_peer_ids: from the gathered metadata, the same at every reducer.
         self.sender_weights = [float(w) for w in sender_weights]
         self.sender_scales = [float(c) for c in sender_scales] if sender_scales else [1.0] * len(sender_weights)
-        if len(self.sender_weights) != len(self.sender_peer_ids) or len(self.sender_scales) != len(self.sender_weights):
+        self.sender_norms = [float(n) for n in sender_norms] if sender_norms else [math.inf] * len(sender_weights)
+        if len(self.sender_weights) != len(self.sender_peer_ids) \
+                or not len(self.sender_scales) == len(self.sender_norms) == len(self.sender_weights):
             raise ValueError(f"{len(self.sender_weights)} weights for {len(self.sender_peer_ids)} senders")
         self.aggregator = aggregator
         self.faults: FaultPlan = FaultPlan()  # fault injection (tests): set by the averager
         self.round = 0  # the version this round produces, for fault matching
         self.bytes_sent = 0
         self.bytes_received = 0  # parts from senders and averaged shards from reducers, as bytes_sent counts them
-        self.rejected_senders: list[str] = []
+        self.rejected_senders: list[str] = []  # whose parts we refused (malformed, non-finite, too large)
+        self.rejected_reducers: list[str] = []  # whose replies we refused
         self._open_replies = 0  # reply streams to groupmates that are still being written
         self.not_in_group: str | None = None  # a groupmate that answered it is in no such group
 
@@ -212,28 +224,39 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
             part_index = 0
+            shapes = [part.shape for part, _ in self._parts_by_peer[peer_index]]  # a reply has its part's shape
+
+            async def checked(messages):
+                index = 0
+                async for msg in messages:
+                    if msg.code == averaging_pb2.BAD_GROUP_ID:
+                        raise NotInGroup(f"{peer_id} is not in this group (it never received the leader's go)")
+                    if msg.code != averaging_pb2.AVERAGED_PART:
+                        raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                    self._check_header(msg.tensor_part, index, shapes)
+                    index += 1
+                    yield msg
 
             def _try_decode(msg):
-                if msg.code == averaging_pb2.BAD_GROUP_ID:
-                    raise NotInGroup(f"{peer_id} is not in this group (it never received the leader's go)")
-                if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                return decode(msg.tensor_part)
+                return self._checked_values(decode(msg.tensor_part))
 
             async for averaged in amap_in_executor(
-                _try_decode, self._counted(aiter_with_timeout(stream, self.reducer_timeout)),
+                _try_decode, checked(self._counted(aiter_with_timeout(stream, self.reducer_timeout))),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
                 part_index += 1
                 self.faults.fire("receive", self.round)
             if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
-                raise AllreduceException(
+                raise AllreduceException(  # not refused: an honest reducer ends so when another sender failed it
                     f"peer {peer_id} sent {part_index} parts, expected "
                     f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
                 )
         except BaseException as e:
-            if isinstance(e, Exception):
+            if isinstance(e, MalformedPart):
+                logger.warning(f"Rejected a malformed averaged part from {peer_id}: {e}")
+                self.rejected_reducers.append(str(peer_id))
+            elif isinstance(e, Exception):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             if isinstance(e, NotInGroup):
@@ -282,6 +305,38 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
+    def _check_header(self, part: runtime_pb2.Tensor, index: int, shapes: Sequence[torch.Size]) -> None:
+        """Refuse a part (or reply) from a peer by its header alone: its index, codec tag and size; the
+        codec then checks the buffer's length against the size before it allocates anything."""
+        if index >= len(shapes):
+            raise MalformedPart(f"part {index + 1} of {len(shapes)} expected")
+        tag = getattr(self._codec, "tag", None)
+        if tag is not None and part.dtype != tag:
+            raise MalformedPart(f"tagged {part.dtype[:40]!r}, not {tag!r}")
+        if tuple(part.size) != tuple(shapes[index]):
+            raise MalformedPart(f"size {list(part.size)[:4]}, expected {list(shapes[index])}")
+
+    @staticmethod
+    def _checked_values(tensor: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(tensor).all():
+            raise MalformedPart("non-finite values")
+        return tensor
+
+    @staticmethod
+    def _within_norm(part: torch.Tensor, declared: float, codec) -> torch.Tensor:
+        """``part`` (decoded and clipped) if its norm fits the sender's declared norm of its whole contribution,
+        with 5 % and the codec's rounding to spare; a part cannot be larger than the whole it was cut from."""
+        quantizer = getattr(codec, "quantizer", None)
+        rounding = float(quantizer.error_bound(part).double().norm()) if quantizer is not None else 0.0
+        norm = float(part.double().norm())
+        if not norm <= 1.05 * declared + rounding + 1e-6:
+            raise MalformedPart(f"a part of norm {norm:.4g}, its sender declared {declared:.4g} for all of it")
+        return part
+
+    def refused(self) -> list[str]:
+        """The groupmates whose parts or replies this member refused in this all-reduce."""
+        return sorted(set(self.rejected_senders) | set(self.rejected_reducers))
+
     def _compress_result(self, averaged: torch.Tensor):
         if self.faults.lying("shard", self.round):  # a malicious reducer (tests): the same lie to everyone
             averaged = averaged * LIE_SHARD_FACTOR
@@ -289,11 +344,11 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def sketch(self, outputs: list[torch.Tensor]) -> dict | None:
         """Our sketch of this all-reduce (:mod:`p2p_diloco.shard_sketches`): projections of the parts we sent
-        and of the shards we received; None under a robust aggregator (not linear) or if we sent nothing.
+        and of the shards we received, values at spots and norms; None if we sent nothing.
 
         Call it after :meth:`collect` and before the input tensors are overwritten (our parts are views of them).
         """
-        if self.aggregator != "mean" or self.peer_id not in self.sender_peer_ids:
+        if self.peer_id not in self.sender_peer_ids:
             return None
         scale = self.sender_scales[self.sender_peer_ids.index(self.peer_id)]
         seed = shard_sketches.seed_of(outputs)
@@ -308,12 +363,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             start += n
         quantizer = getattr(self._codec, "quantizer", None)
         bound = quantizer.error_bound if quantizer is not None else (lambda y: torch.zeros_like(y))
-        return shard_sketches.sketch(seed, shards, sent, result, bound)
+        return shard_sketches.sketch(seed, shards, sent, result, bound, self.aggregator)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        kind = self.faults.malforming(self.round)  # a hostile peer (tests): every part malformed
+        index = 0
         async for message in super()._generate_input_for_peer(peer_index):
-            self.bytes_sent += message.ByteSize()
-            yield message
+            for out in _malformed(kind, message, index) if kind else [message]:
+                self.bytes_sent += out.ByteSize()
+                yield out
+            index += 1
             self.faults.fire("send", self.round)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
@@ -325,36 +384,51 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             async for msg in stream:
                 self.bytes_received += msg.ByteSize()
-                try:
+                try:  # the header (index, tag, size) before anything is decoded, the values after
+                    self._check_header(msg.tensor_part, part_index, self.tensor_part_reducer.part_shapes)
                     tensor_part = await loop.run_in_executor(None, decode, msg.tensor_part)
+                    tensor_part = self._within_norm(self._clipped(self._checked_values(tensor_part), sender_index),
+                                                    self.sender_norms[sender_index], self._codec)
                 except Exception as e:  # noqa: BLE001 - a malformed part from a peer
-                    tensor_part = None
-                    logger.warning(f"Rejected an undecodable part from {self.sender_peer_ids[sender_index]}: {e}")
-                expected = self.tensor_part_reducer.part_shapes[min(part_index, self.tensor_part_reducer.num_parts - 1)]
-                if (
-                    tensor_part is None
-                    or msg.tensor_part.dtype != getattr(self._codec, "tag", msg.tensor_part.dtype)
-                    or tensor_part.shape != expected
-                    or not torch.isfinite(tensor_part).all()
-                ):
                     sender = self.sender_peer_ids[sender_index]
-                    logger.warning(f"Rejected an invalid outer gradient part from {sender}")
+                    logger.warning(f"Rejected an invalid outer gradient part from {sender}: {e}")
                     self.rejected_senders.append(str(sender))
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, self._clipped(tensor_part, sender_index),
-                        weight=self.sender_weights[sender_index],
+                        sender_index, part_index, tensor_part, weight=self.sender_weights[sender_index],
                     )
                     part_index += 1
                 except BannedException:
                     break
                 serialized = await loop.run_in_executor(None, self._compress_result, averaged)
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-                self.bytes_sent += reply.ByteSize()
-                yield reply
+                kind = self.faults.malforming(self.round)  # a hostile reducer (tests): every reply malformed
+                for out in _malformed(kind, reply, part_index - 1) if kind else [reply]:
+                    self.bytes_sent += out.ByteSize()
+                    yield out
                 self.faults.fire("reduce", self.round)
+            else:  # the stream ended of itself: a sender that sends fewer parts than it owes is refused
+                if part_index < self.tensor_part_reducer.num_parts:
+                    sender = self.sender_peer_ids[sender_index]
+                    logger.warning(f"Rejected the outer gradient of {sender}: its parts ended after {part_index} "
+                                   f"of {self.tensor_part_reducer.num_parts}")
+                    self.rejected_senders.append(str(sender))
         finally:
             self._open_replies -= 1
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _malformed(kind: str, message: averaging_pb2.AveragingData, index: int) -> list[averaging_pb2.AveragingData]:
+    """``message`` (the ``index``-th of its stream) as a hostile peer sends it (:mod:`p2p_diloco.malformed`):
+    its tensor part malformed; "missing-part" drops every part after the first, "extra-part" repeats the first."""
+    if kind == "missing-part":
+        return [message] if index == 0 else []
+    if kind == "extra-part":
+        return [message, averaging_pb2.AveragingData(code=message.code, tensor_part=message.tensor_part)] \
+            if index == 0 else [message]
+    out = averaging_pb2.AveragingData()
+    out.CopyFrom(message)
+    out.tensor_part.CopyFrom(malform(kind, message.tensor_part)[0])
+    return [out]

@@ -11,6 +11,8 @@ side of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -39,8 +41,21 @@ from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.lifecycle import die_with_parent, serialize_requests
 from p2p_diloco.served import select_fragments
+from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, declared
 
 logger = get_logger(__name__)
+
+
+class RefusedPeers(MatchmakingException):
+    """The all-reduce failed, and this member refused parts or replies of ``peers`` (malformed, non-finite,
+    larger than declared): the learner bans them from its next rounds."""
+
+    def __init__(self, message: str, peers: Sequence[str]):
+        super().__init__(message, tuple(peers))  # both in args: the exception crosses to the learner pickled
+        self.message, self.peers = message, tuple(peers)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class ExcludedFromRound(MatchmakingException):
@@ -91,12 +106,36 @@ class OuterGradientAverager(DecentralizedAverager):
         self._base_quorum = int(kwargs.get("min_group_size", 2))  # K; a majority quorum only raises it
         self._base_target = int(kwargs.get("target_group_size") or self._base_quorum)  # and this, to at least itself
         self._round_stats: dict[bytes, dict[str, Any]] = {}
+        self._owner: bytes = getattr(dht, "owner", b"")  # our signed subkey (p2p_diloco.signed_matchmaking)
         super().__init__(averaged_tensors, dht, **kwargs)
         serialize_requests(self)  # the round thread, the training loop and downloads all send requests
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         super().run()
+
+    async def _step(self, **kwargs):
+        mm = self._matchmaking  # hivemind builds it in the averager process; every round passes here first
+        if not isinstance(mm.group_key_manager, SignedGroupKeyManager):
+            mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner)
+        return await super()._step(**kwargs)
+
+    async def _declare_for_download_periodically(self):
+        # hivemind's loop, declaring under our signed subkey (its own writes our raw peer ID, unsigned)
+        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        subkey = self._owner or self.peer_id.to_bytes()
+        sharing_was_allowed = self.allow_state_sharing
+        while True:
+            expiration_time = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or sharing_was_allowed:
+                priority = self.state_sharing_priority if self.allow_state_sharing else None
+                asyncio.create_task(asyncio.wait_for(self.dht.store(
+                    download_key, subkey=subkey, value=priority, expiration_time=expiration_time, return_future=True),
+                    timeout=expiration_time - get_dht_time()))
+                sharing_was_allowed = self.allow_state_sharing
+            self._state_updated.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, expiration_time - get_dht_time()))
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         # Mirrors DecentralizedAverager._aggregate_with_group, restricted to one fragment's tensors.
@@ -122,7 +161,7 @@ class OuterGradientAverager(DecentralizedAverager):
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, size, download_bandwidths, min_vector_size
             )
-            kwargs.update(_runner_roles(group_info.peer_ids, peer_fractions, excluded, verdict))
+            kwargs.update(_runner_roles(group_info.peer_ids, peer_fractions, excluded, verdict, gathered))
             kwargs["compression"], kwargs["tensor_infos"] = self._codecs[fragment], None
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 tensors = [all_tensors[i] for i in indices]
@@ -131,6 +170,8 @@ class OuterGradientAverager(DecentralizedAverager):
             return {"gathered": gathered, "stats": stats, "verdict": verdict}
         except ExcludedFromRound:
             raise
+        except RefusedPeers as e:
+            raise RefusedPeers(f"Unable to run All-Reduce: {e}", e.peers) from e
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"all-reduce failed: {e!r}")
@@ -240,7 +281,13 @@ class OuterGradientAverager(DecentralizedAverager):
         )
         runner.faults, runner.round = self._faults, self._fault_round
         self._running_groups[group_id].set_result(runner)
-        outputs = await runner.collect()
+        try:
+            outputs = await runner.collect()
+        except Exception as e:
+            if runner.refused():
+                raise RefusedPeers(f"{e} (refused what {', '.join(p[-6:] for p in runner.refused())} sent)",
+                                   runner.refused()) from e
+            raise
         seconds = time.perf_counter() - started
         # Before the inputs are overwritten: our parts are views of them.
         sketch = await asyncio.get_event_loop().run_in_executor(None, runner.sketch, outputs)
@@ -253,6 +300,7 @@ class OuterGradientAverager(DecentralizedAverager):
             "bytes_received": runner.bytes_received,
             "sketch": sketch,
             "sketch_key": sketch_key,
+            "refused": runner.refused(),
         }
 
     async def _publish_sketch(self, sketch: dict[str, Any]) -> str:
@@ -328,13 +376,10 @@ class OuterGradientAverager(DecentralizedAverager):
             prefix = self._matchmaking.group_key_manager.prefix
             found = self.dht.get(f"{prefix}.all_averagers", latest=True)
             priority = {}
-            for peer_id, info in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+            for peer, info in declared(found.value if found is not None else None, self._owner):
                 value = getattr(info, "value", None)
-                if isinstance(value, float | int):
-                    try:
-                        priority[PeerID(peer_id)] = (float(value), random.random())
-                    except Exception:  # noqa: BLE001 - a malformed subkey from a peer
-                        continue
+                if isinstance(value, float | int) and not isinstance(value, bool):
+                    priority[peer] = (float(value), random.random())
             for peer in sorted(priority, key=priority.__getitem__, reverse=True)[:_MAX_PEERS_TRIED]:
                 if peer == self.peer_id:
                     continue
@@ -403,8 +448,10 @@ MAX_METADATA_BYTES = 8 * 1024 * 1024  # served metadata: per fragment, history, 
 _MAX_PEERS_TRIED = 8  # a download from "any peer" tries at most this many, highest priority first
 
 
-def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: Verdict) -> dict[str, Any]:
-    """The runner's modes, and each sender's weight and clipping factor, all from the verdict.
+def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: Verdict,
+                  gathered: dict | None = None) -> dict[str, Any]:
+    """The runner's modes, and each sender's weight and clipping factor, all from the verdict, and the norm
+    of its whole contribution as reducers see it (its declared norm, clipped; 1 for unit vectors).
 
     Without exclusions the modes are the ones hivemind's runner derives itself (a peer with no
     shard only sends); an excluded member is an auxiliary peer with no shard: it neither sends nor reduces.
@@ -414,8 +461,21 @@ def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: V
         for fraction, out in zip(peer_fractions, excluded, strict=True)
     )
     senders = [str(p) for p, mode in zip(peer_ids, modes, strict=True) if mode != AveragingMode.AUX]
+    named = {str(p): m for p, m in (gathered or {}).items()}
     return {"modes": modes, "sender_weights": [verdict.weights[p] for p in senders],
-            "sender_scales": [verdict.part_scale(p) for p in senders], "aggregator": verdict.aggregator}
+            "sender_scales": [verdict.part_scale(p) for p in senders], "aggregator": verdict.aggregator,
+            "sender_norms": [_declared_norm(named.get(p), p in verdict.unit, verdict.scale(p)) for p in senders]}
+
+
+def _declared_norm(metadata: Any, unit: bool, scale: float) -> float:
+    """A sender's whole contribution's norm as the reducers see it: 1 for unit vectors, else its gathered
+    norm times its clipping factor; unbounded when it gathered no usable norm (the verdict decided on it)."""
+    if unit:
+        return 1.0
+    norm = metadata.get("norm") if isinstance(metadata, dict) else None
+    if isinstance(norm, int | float) and not isinstance(norm, bool) and math.isfinite(norm) and norm >= 0:
+        return float(norm) * scale
+    return math.inf
 
 
 def _agreed_fragment(gathered: dict, num_fragments: int) -> int:

@@ -156,9 +156,10 @@ class AveragingConfig(_Section):
                             "robust coordinate-wise median / trimmed mean that ignores self-reported weights "
                             "(p2p_diloco/aggregators.py)")
     verify_reducers: bool = Field(
-        True, description="before signing a round, check every shard against projections of what its senders sent "
-                          "(p2p_diloco/shard_sketches.py): a reducer that returns a chosen shard fails the round "
-                          "instead of being committed; needs every contributor's sketch (mean aggregator only)")
+        True, description="before signing a round, check every shard against what its senders sent (random "
+                          "projections under the mean; spot values and a norm bound under every aggregator; "
+                          "p2p_diloco/shard_sketches.py): a reducer that returns a chosen shard fails the round "
+                          "instead of being committed; needs every contributor's sketch")
     certify_timeout: float = Field(
         10.0, gt=0.0, description="after the all-reduce, how long a round waits for the signatures of at least K "
                                   "contributors (its commit certificate) before it fails without committing")

@@ -7,6 +7,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     drop for S s at round R during STAGE
     poison at round R with nan|flip|scale X
     lie at round R with ahead|state|weight|shard
+    malform at round R with KIND
 
 A *round R* is the round that produces global version R of a fragment (the R-th outer step). A fault
 fires once, the first time the learner reaches its STAGE in round R **or a later one**: a learner
@@ -41,6 +42,9 @@ global state, Θ scaled by −50 at a version 3 ahead, whose history lists the s
 ``weight`` gathers a weight of 1e15 for its outer gradient (its tokens as it reports them); ``shard``
 returns the shard it reduces scaled by −50 to every member, itself included (a malicious reducer; the
 members' sketches catch it, :mod:`p2p_diloco.shard_sketches`).
+``malform`` makes the learner a hostile peer on the wire from round R on (until a later ``malform``):
+every outer-gradient part it sends and every averaged shard it returns is malformed as KIND says
+(NaN values, a wrong size, a lying codec tag, a part too many, ...: :mod:`p2p_diloco.malformed`).
 
 Example, as a test would write it::
 
@@ -73,6 +77,10 @@ _POISON = re.compile(
     r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale)(?:\s+(?P<factor>\S+))?\s*$"
 )
 _LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>ahead|state|weight|shard)\s*$")
+_MALFORM = re.compile(r"^\s*malform\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<kind>\S+)\s*$")
+MALFORM_KINDS = ("nan", "inf", "ninf", "huge", "size-empty", "size-neg", "size-2e62", "shape", "short", "long",
+                 "float64", "no-dtype", "block-0", "block-neg", "other-codec", "block-huge", "extra-part",
+                 "missing-part")  # what each does: p2p_diloco/malformed.py
 LIE_WEIGHT = 1e15  # the weight a learner lying "with weight" gathers for its outer gradient
 LIE_VERSIONS = {"ahead": 1000, "state": 3}  # how far ahead each lie claims to be
 LIE_SHARD_FACTOR = -50.0  # what a reducer lying "with shard" multiplies its averaged shard by
@@ -123,6 +131,13 @@ class FaultPlan:
                         f"fault {line.strip()!r}: expected 'lie at round R with ahead|state|weight|shard'")
                 faults.append(Fault("lie", int(lie["round"]), "record", mode=lie["mode"]))
                 continue
+            if line.strip().startswith("malform"):
+                bad = _MALFORM.match(line)
+                if not bad or bad["kind"] not in MALFORM_KINDS:
+                    raise FaultPlanError(f"fault {line.strip()!r}: expected 'malform at round R with KIND', "
+                                         f"KIND one of {', '.join(MALFORM_KINDS)}")
+                faults.append(Fault("malform", int(bad["round"]), "wire", mode=bad["kind"]))
+                continue
             m = _LINE.match(line)
             if not m:
                 raise FaultPlanError(
@@ -158,6 +173,11 @@ class FaultPlan:
     def lying(self, mode: str, round_: int) -> bool:
         """Whether a ``lie ... with mode`` is due at ``round_`` (it lasts from its round on)."""
         return any(f.action == "lie" and f.mode == mode and f.round <= round_ for f in self.faults)
+
+    def malforming(self, round_: int) -> str:
+        """The kind of malformation due at ``round_`` ("" for none): the latest ``malform`` whose round has come."""
+        due = [f for f in self.faults if f.action == "malform" and f.round <= round_]
+        return max(due, key=lambda f: f.round).mode if due else ""
 
     def _next(self, stage: str, round_: int) -> int | None:
         for i, f in enumerate(self.faults):

@@ -27,13 +27,14 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time, get_logger
 
-from p2p_diloco.averager import ExcludedFromRound, OuterGradientAverager
+from p2p_diloco.averager import ExcludedFromRound, OuterGradientAverager, RefusedPeers
 from p2p_diloco.averaging import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
 from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig, ContributionLimits
 from p2p_diloco.exclusion import Bans, Rules, Verdict
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.merging import global_norm
+from p2p_diloco.signed_matchmaking import declared
 
 logger = get_logger(__name__)
 
@@ -155,6 +156,10 @@ class HivemindAveraging:
             self._last_verdict = result.verdict
             return result
 
+    def _accuse_refused(self, peers: Sequence[str]) -> None:
+        for peer in peers:
+            self.accuse(str(peer), "it sent malformed, non-finite or oversized parts or replies")
+
     def accuse(self, peer: str, why: str) -> None:
         """Ban ``peer`` from this learner's next rounds (:meth:`p2p_diloco.exclusion.Bans.accuse`)."""
         self._bans.accuse(peer, self.peer_id, why)  # one dict assignment: no lock against a round in flight
@@ -224,6 +229,8 @@ class HivemindAveraging:
                 raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
             if isinstance(e, ExcludedFromRound):
                 raise RoundFailed(str(e)) from None
+            if isinstance(e, RefusedPeers):
+                self._accuse_refused(e.peers)
             raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
         if not result:
             raise RoundFailed("no group formed within the round window")
@@ -233,6 +240,7 @@ class HivemindAveraging:
             self.faults.fire("commit", version + 1)
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
+        self._accuse_refused(stats.get("refused") or ())
         self.on_received(int(stats.get("bytes_received", 0)))
         if "group_formed" in stats:
             self.on_matchmaking(max(0.0, float(stats["group_formed"]) - began))
@@ -254,13 +262,13 @@ class HivemindAveraging:
         anything malformed is skipped.
         """
         found = self.dht.get(group_key(self.prefix, fragment, version), latest=True)
-        if found is None or not isinstance(found.value, dict):
+        if found is None:
             return 0
-        ours, now, count = self.dht.peer_id.to_bytes(), get_dht_time(), 0
-        for subkey, entry in found.value.items():
+        ours, now, count = self.dht.peer_id, get_dht_time(), 0
+        for peer, entry in declared(found.value, getattr(self.dht, "owner", b"")):
             looking = getattr(entry, "value", None)
             expiration = getattr(entry, "expiration_time", 0.0)
-            if subkey != ours and looking is True and isinstance(expiration, int | float) and expiration > now:
+            if peer != ours and looking is True and isinstance(expiration, int | float) and expiration > now:
                 count += 1
         return count
 
@@ -351,6 +359,16 @@ def majority(learners: int) -> int:
 def group_bits(fragment: int, version: int) -> str:
     """Group-key bits naming (fragment, version): a 16-bit fragment field, then the version."""
     return format(fragment, "016b") + format(version, "b")
+
+
+def averaging_prefix(lineage: str) -> str:
+    """The prefix of a lineage's averaging keys (matchmaking, download priority) and RPCs."""
+    return f"{lineage}_outer"
+
+
+def download_priority_key(lineage: str) -> str:
+    """hivemind's "who serves state, with what priority" key of a lineage (signed: protected like progress)."""
+    return f"{averaging_prefix(lineage)}.all_averagers"
 
 
 def group_key(prefix: str, fragment: int, version: int) -> str:

@@ -85,7 +85,7 @@ class OuterRound:
     rda: bool = False
     grace: float | None = None
     certifier: Certifier | None = None  # None: commits carry no certificate (tests of the round alone)
-    verify_reducers: bool = True  # check the shards against the senders' sketches before signing (mean only)
+    verify_reducers: bool = True  # check the shards against the senders' sketches before signing
     stage: Stage = field(init=False, default=Stage.PREPARED)
     _delta: list[torch.Tensor] = field(init=False, repr=False)
     _norm: float = field(init=False, default=0.0)

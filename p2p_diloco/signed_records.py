@@ -21,6 +21,7 @@ reads the owner's peer ID from the subkey.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable
@@ -80,6 +81,11 @@ def peer_id_of_owner(subkey: object) -> PeerID | None:
     """The peer ID whose key an owner-marked subkey holds; None if ``subkey`` is not one."""
     if not isinstance(subkey, bytes) or len(subkey) > _MAX_OWNER_BYTES:
         return None
+    return _peer_id_of_marker(subkey)
+
+
+@functools.lru_cache(maxsize=4096)  # matchmaking reads the same few dozen markers at every poll
+def _peer_id_of_marker(subkey: bytes) -> PeerID | None:
     found = _OWNER_RE.fullmatch(subkey)
     if found is None:
         return None

@@ -41,7 +41,7 @@ from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan, forged_states
 from p2p_diloco.fragments import ClockSchedule, build_fragments
 from p2p_diloco.grace import GraceWindow
-from p2p_diloco.hivemind_averaging import HivemindAveraging
+from p2p_diloco.hivemind_averaging import HivemindAveraging, averaging_prefix, download_priority_key
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
 from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
 from p2p_diloco.metrics import Metrics, first_address, resources
@@ -342,7 +342,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, state: Le
             else states
     progress.faults = faults
     averaging = HivemindAveraging(
-        dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=f"{lineage}_outer",
+        dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=averaging_prefix(lineage),
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         training_learners=progress.training_learners,
         fragments=parameter_indices([len(s.params) for s in state.states]),
@@ -385,7 +385,7 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, state: LearnerState, payload: dict
     lineage = f"{cfg.network.run_id}-{lineage_hash}"
     logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
     ttl, run_id = cfg.network.record_ttl, cfg.network.run_id
-    dht.protect([progress_key(lineage), lineages_key(run_id)])
+    dht.protect([progress_key(lineage), lineages_key(run_id), download_priority_key(lineage)])
     index = LineageIndex(dht, run_id, ttl, dht.owner)  # lets `p2p-diloco status` find our lineage
     progress = Progress(ProgressBoard(dht, lineage, ttl, dht.owner, index), state, ttl)
     # Announce ourselves at once, before the download, so that learners finishing the run see a

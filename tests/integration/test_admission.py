@@ -8,21 +8,25 @@ and bound to their owner's peer ID: a forger storing over the wire reaches no re
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.admission import Admission, peer_id_of
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.hivemind_averaging import HivemindAveraging
+from p2p_diloco.hivemind_averaging import HivemindAveraging, averaging_prefix, download_priority_key, group_key
 from p2p_diloco.lifecycle import start_dht
 from p2p_diloco.records import ProgressBoard, ProgressRecord, progress_key
+from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, declared
 from p2p_diloco.signed_records import IdentityKey, owner_marker, peer_id_of_owner
 
 from .test_swarm import _assert_one_lineage
@@ -107,22 +111,27 @@ def test_an_outsider_cannot_read_write_or_download(tmp_path):
             s.shutdown()
 
 
+def _signing_members(tmp_path, protected: list[str], started: list) -> list:
+    """Two learners' DHTs (joined, signing records with their identities, ``protected`` keys owner-only)."""
+    members: list = []
+    for i in range(2):
+        identity = tmp_path / f"member-{i}.key"
+        peer_id_of(identity)
+        members.append(start_dht(initial_peers=[str(a) for m in members[:1] for a in m.get_visible_maddrs()],
+                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                                 identity_path=identity, startup_timeout=30, signing=IdentityKey.load(identity)))
+        started.append(members[-1])
+        members[-1].protect(protected)
+    return members
+
+
 @pytest.mark.timeout(150)
 def test_records_are_signed_and_forgeries_never_reach_a_reader(tmp_path):
     """A public swarm: two learners' DHTs with signed records, and a forger storing over the wire."""
     key = progress_key("lin")
     started: list = []
     try:
-        members = []
-        for i in range(2):
-            identity = tmp_path / f"member-{i}.key"
-            peer_id_of(identity)
-            members.append(start_dht(initial_peers=[str(a) for m in members[:1] for a in m.get_visible_maddrs()],
-                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
-                                     identity_path=identity, startup_timeout=30,
-                                     signing=IdentityKey.load(identity)))
-            started.append(members[-1])
-            members[-1].protect([key])
+        members = _signing_members(tmp_path, [key], started)
         boards = [ProgressBoard(m, "lin", 60.0, m.owner) for m in members]
         genuine = ProgressRecord(4, "a" * 64, 100, versions=(4,), shas=("a" * 64,))
         assert boards[0].publish(genuine)
@@ -148,6 +157,51 @@ def test_records_are_signed_and_forgeries_never_reach_a_reader(tmp_path):
                 str(members[0].peer_id)].wall_time)
             assert set(seen) == {str(members[0].peer_id), forger_id}, seen
             assert seen[forger_id].version == 3
+    finally:
+        for s in reversed(started):
+            s.shutdown()
+
+
+@pytest.mark.timeout(150)
+def test_matchmaking_and_download_declarations_are_signed(tmp_path):
+    """hivemind's matchmaking ("looking for a group here") and download-priority declarations, written by
+    two members and a forger over the wire: a reader finds only those their owner signed."""
+    lineage = "lin"
+    started: list = []
+    try:
+        members = _signing_members(tmp_path, [download_priority_key(lineage)], started)
+        managers = [SignedGroupKeyManager(GroupKeyManager(m, averaging_prefix(lineage), "", 4), m.owner)
+                    for m in members]
+        key = group_key(averaging_prefix(lineage), 0, 7)
+        now = get_dht_time()
+        for manager in managers:
+            assert asyncio.run(manager.declare_averager(key, manager.peer_id, now + 30))
+
+        peer_id_of(tmp_path / "forger.key")
+        signer = RSASignatureValidator(IdentityKey.load(tmp_path / "forger.key"))
+        forger = hivemind.DHT(initial_peers=members[0].get_visible_maddrs(), start=True, record_validators=[signer])
+        started.append(forger)
+        ghost = peer_id_of(tmp_path / "ghost.key")  # a peer that never answers
+        forger.store(key, True, now + 30, subkey=PeerID.from_base58(ghost).to_bytes())  # hivemind's style
+        forger.store(key, True, now + 30, subkey=members[0].owner)  # in a member's name: no valid signature
+        forger.store(key, True, now + 30, subkey=owner_marker(signer))  # its own, signed
+        forger.store(download_priority_key(lineage), 1e9, now + 30,
+                     subkey=PeerID.from_base58(ghost).to_bytes())  # "download from me first", unsigned
+        forger.store(download_priority_key(lineage), 1e9, now + 30, subkey=members[1].owner)  # in a member's name
+        assert members[0].store(download_priority_key(lineage), 5.0, now + 30, subkey=members[0].owner)
+
+        forger_id = peer_id_of_owner(owner_marker(signer))
+        expected = {members[0].peer_id, members[1].peer_id, forger_id}
+        for manager in managers:
+            found = asyncio.run(manager.get_averagers(key, only_active=True))
+            assert {peer for peer, _ in found} == expected, found
+        # a member leaves: it overwrites its own declaration, and readers stop seeing it as looking
+        assert asyncio.run(managers[1].declare_averager(key, managers[1].peer_id, now + 30, looking_for_group=False))
+        assert {p for p, _ in asyncio.run(managers[0].get_averagers(key, only_active=True))} == expected - {
+            members[1].peer_id}
+        for member in members:
+            seen = member.get(download_priority_key(lineage), latest=True)
+            assert {p: e.value for p, e in declared(seen.value, member.owner)} == {members[0].peer_id: 5.0}
     finally:
         for s in reversed(started):
             s.shutdown()

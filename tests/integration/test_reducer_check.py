@@ -1,4 +1,5 @@
-"""Checking the reducers with real hivemind averagers: honest shards pass, a lying reducer is caught.
+"""Checking the reducers with real hivemind averagers: honest shards pass, a lying reducer is caught,
+under the mean (projections) and the median (spot values and the norm bound).
 
 Three averagers in one process run two rounds; from the second on, member 2 returns the shard it
 reduces scaled by −50 (``lie at round 5 with shard``, p2p_diloco/faults.py). Every member's sketch
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("codec", ["none", "int8"])
-def test_honest_shards_pass_and_a_lying_reducer_is_named_by_every_member(codec):
+@pytest.mark.parametrize(("codec", "aggregator"), [("none", "mean"), ("int8", "mean"), ("int8", "median")])
+def test_honest_shards_pass_and_a_lying_reducer_is_named_by_every_member(codec, aggregator):
     cfg = AveragingConfig(min_group_size=3, target_group_size=3, matchmaking_time=2.0, request_timeout=1.0,
-                          round_timeout=30.0, ban_rounds=0)
+                          round_timeout=30.0, ban_rounds=0, aggregator=aggregator)
     template = [torch.zeros(1500, 1000), torch.zeros(9)]  # int8: three parts of hivemind's 512 KiB, one per member
     dhts = [hivemind.DHT(start=True)]
     dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(2)]

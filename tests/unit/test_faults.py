@@ -74,3 +74,12 @@ def test_lies_last_from_their_round_on_and_forge_a_poisoned_state():
     assert FaultPlan.parse("lie at round 1 with weight").lying("weight", 1)
     with pytest.raises(FaultPlanError, match="lie at round R with ahead"):
         FaultPlan.parse("lie at round 3 with everything")
+
+
+def test_malformations_last_until_the_next_one_and_name_their_kind():
+    plan = FaultPlan.parse("malform at round 2 with nan; malform at round 4 with block-huge")
+    assert [(f.action, f.mode, f.round) for f in plan.faults] == [("malform", "nan", 2), ("malform", "block-huge", 4)]
+    assert [plan.malforming(r) for r in range(1, 6)] == ["", "nan", "nan", "block-huge", "block-huge"]
+    assert not plan.due("send", 3)  # a malformation is carried out on the wire, not fired at a stage
+    with pytest.raises(FaultPlanError, match="KIND one of nan, inf"):
+        FaultPlan.parse("malform at round 3 with everything")

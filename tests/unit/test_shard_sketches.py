@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from p2p_diloco import shard_sketches
+from p2p_diloco.aggregators import aggregate
 from p2p_diloco.quantization import get_quantizer
 
 PEERS = ["peer-aaaaaa", "peer-bbbbbb", "peer-cccccc"]
@@ -18,7 +19,7 @@ SHARDS = [("peer-aaaaaa", 0, 700), ("peer-bbbbbb", 700, 1000)]  # peer-cccccc re
 WEIGHTS = {"peer-aaaaaa": 1.0, "peer-bbbbbb": 2.5, "peer-cccccc": 4.0}
 
 
-def _round(codec: str, lie=None, seed: int = 0):
+def _round(codec: str, lie=None, seed: int = 0, aggregator: str = "mean"):
     """Every member's sketch, as each would make it; ``lie(shard index, y) -> y'``: what a reducer returns."""
     q = get_quantizer(codec, 64)
     g = torch.Generator().manual_seed(seed)
@@ -27,17 +28,20 @@ def _round(codec: str, lie=None, seed: int = 0):
     total = sum(WEIGHTS.values())
     result = []
     for r, (_, a, b) in enumerate(SHARDS):
-        acc = torch.zeros(b - a)
-        for p in PEERS:
-            acc.add_(sent[p][a:b], alpha=WEIGHTS[p])
-        y = acc / total
+        if aggregator == "mean":
+            acc = torch.zeros(b - a)
+            for p in PEERS:
+                acc.add_(sent[p][a:b], alpha=WEIGHTS[p])
+            y = acc / total
+        else:  # what a RobustReducer computes: the weights do not count
+            y = aggregate([sent[p][a:b] for p in PEERS], [WEIGHTS[p] for p in PEERS], aggregator)
         if lie is not None:
             y = lie(r, y)
         result.append(q.decode(q.encode(y), (b - a,)))
     y = torch.cat(result)
     seed_hex = shard_sketches.seed_of([y])
-    sketches = {p: shard_sketches.sketch(seed_hex, SHARDS, [sent[p][a:b] for _, a, b in SHARDS], y, q.error_bound)
-                for p in PEERS}
+    sketches = {p: shard_sketches.sketch(seed_hex, SHARDS, [sent[p][a:b] for _, a, b in SHARDS], y, q.error_bound,
+                                         aggregator) for p in PEERS}
     norms = {p: 1.1 * float(sent[p].norm()) for p in PEERS}
     return sketches, norms
 
@@ -70,6 +74,48 @@ def test_a_reducer_that_returns_another_shard_is_caught_by_every_member(codec, l
         assert "the shard reduced by bbbbbb does not match what its senders sent" in why, (lie, why)
 
 
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4"])
+def test_honest_robust_reducers_pass(codec, aggregator):
+    for seed in range(5):
+        sketches, norms = _round(codec, seed=seed, aggregator=aggregator)
+        for p in PEERS:
+            assert shard_sketches.check(sketches[p], sketches, WEIGHTS, norms) == "", (codec, seed, p)
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("lie", ["flip", "replace", "tenth", "one_huge"])
+def test_a_robust_reducer_that_changes_its_shard_is_caught(aggregator, lie):
+    def liar(r, y):
+        if r != 1:
+            return y
+        y = y.clone()
+        if lie == "flip":
+            return -y
+        if lie == "replace":
+            return torch.randn(y.numel(), generator=torch.Generator().manual_seed(9))
+        if lie == "tenth":  # every tenth value moved far (the spots find one with probability 1 - 0.9^32)
+            y[::10] += 100.0
+            return y
+        y[17] = 1e4  # one value the spots miss, but larger than every sender's part together
+        return y
+
+    for seed in range(3):
+        sketches, norms = _round("int8", lie=liar, seed=seed, aggregator=aggregator)
+        for p in PEERS:
+            why = shard_sketches.check(sketches[p], sketches, WEIGHTS, norms)
+            assert "the shard reduced by bbbbbb does not match what its senders sent" in why, (lie, seed, why)
+            if lie == "one_huge":
+                assert "norm" in why
+
+
+def test_spots_are_drawn_from_the_seed_and_shard():
+    assert torch.equal(shard_sketches.spots("s", 0, 1000), shard_sketches.spots("s", 0, 1000))
+    assert not torch.equal(shard_sketches.spots("s", 0, 1000), shard_sketches.spots("t", 0, 1000))
+    assert shard_sketches.spots("s", 0, 5).numel() == 5 and int(shard_sketches.spots("s", 0, 5).max()) < 5
+    assert shard_sketches.spots("s", 0, 10**6).numel() == shard_sketches.SPOTS
+
+
 def test_a_shift_within_the_codecs_rounding_is_not_a_lie():
     # int8 rounds each value by up to half its block's scale: a shift far below that is honest noise.
     sketches, norms = _round("int8", lie=lambda r, y: y + 1e-4 * y.abs().max())
@@ -88,6 +134,11 @@ def test_missing_or_malformed_sketches_are_named():
         ({**sketches[PEERS[2]], "sent": "x"}, "malformed projections"),
         ({**sketches[PEERS[2]], "seed": "0" * 64}, "computed from another result"),
         ({**sketches[PEERS[2]], "shards": [["peer-aaaaaa", 0, 1000]]}, "another layout"),
+        ({**sketches[PEERS[2]], "aggregator": "median"}, "another aggregator"),
+        ({**sketches[PEERS[2]], "sent_spots": [[0.0] * 3, [0.0] * 32]}, "malformed spot values"),
+        ({**sketches[PEERS[2]], "sent_spots": None}, "malformed spot values"),
+        ({**sketches[PEERS[2]], "sent_norm": [-1.0, 1.0]}, "malformed norms"),
+        ({**sketches[PEERS[2]], "sent_norm": [float("inf"), 1.0]}, "malformed norms"),
         ([1, 2], "not a sketch"),
     ):
         got = shard_sketches.check(mine, {**sketches, "peer-cccccc": bad}, WEIGHTS, norms)

@@ -10,14 +10,18 @@ flip       its outer gradients are negated (a learner that climbs the loss): an 
 weight     flipped, and it gathers a weight of 10¹⁵ (under the weighted mean: the whole average)
 ahead      it signs progress records claiming 1,000 versions more than it holds
 state      it serves Θ scaled by −50, 3 versions ahead, with a history listing the honest states
+shard      as a reducer, it returns the shard it averaged scaled by −50 to everyone
+malform    every part it sends and every reply it returns holds 3·10³⁸ in each value (finite)
 =========  ======================================================================================
 
 Every case runs with the token-weighted mean and with ``averaging.aggregator=median``. The clean
 runs have the three honest learners alone (the same tokens as the honest learners of an attacked
-run). Reported per run, over the honest learners: the final eval loss of the global model (mean over
-learners), its ratio to the clean run's with the same aggregator, the rounds each committed, the
+run); ``unchecked`` is a clean run with the reducer check off (``averaging.verify_reducers=false``),
+to show what the check costs. Reported per run, over the honest learners: the final eval loss of the
+global model (mean over learners), its ratio to the clean run's with the same aggregator, the rounds each committed, the
 wall time until all three exited and the time lost against the clean run, the median round time
-and the median time spent collecting commit certificates (the defence's cost in a clean run).
+and the median time spent collecting commit certificates (the defence's cost in a clean run), and
+the median megabytes each honest learner sent per committed round.
 
     .venv/bin/python benchmarks/poisoning.py --versions 6 --json benchmarks/results/poisoning.json
 
@@ -60,15 +64,20 @@ ATTACKS = {
     "weight": "poison at round 2 with flip; lie at round 2 with weight",
     "ahead": "lie at round 2 with ahead",
     "state": "lie at round 2 with state",
+    "shard": "lie at round 2 with shard",
+    "malform": "malform at round 2 with huge",
+    "unchecked": None,
 }
-COMMITTED = re.compile(r"outer round committed \| .*? round (?P<round>[\d.]+)s .*? certified in (?P<cert>[\d.]+)s")
+CASE_SETTINGS = {"unchecked": ["--set", "averaging.verify_reducers=false"]}  # on every learner of the case
+COMMITTED = re.compile(r"outer round committed \| .*? round (?P<round>[\d.]+)s sent (?P<mb>[\d.]+) MB "
+                       r"certified in (?P<cert>[\d.]+)s")
 
 
 def run(case: str, aggregator: str, versions: int, work: Path, timeout: float) -> dict:
     """One swarm: three honest learners and, unless ``case`` is clean, the attacker; its figures."""
     work.mkdir(parents=True)
     boot, peers = start_bootstrap(work)
-    common = [*FAST, "--set", f"averaging.aggregator={aggregator}"]
+    common = [*FAST, "--set", f"averaging.aggregator={aggregator}", *CASE_SETTINGS.get(case, [])]
 
     def learner(i: int, extra: list[str]) -> Proc:
         return Proc(f"learner-{i}", cli(
@@ -93,11 +102,12 @@ def run(case: str, aggregator: str, versions: int, work: Path, timeout: float) -
         stop_procs([*honest, *([attacker] if attacker else []), boot], grace=10)
     paths = [work / f"summary-{i}.json" for i in range(3)]
     summaries = [json.loads(path.read_text()) if path.exists() else None for path in paths]
-    rounds, certify = [], []
+    rounds, certify, sent = [], [], []
     for p in honest:
         for m in COMMITTED.finditer(p.text()):
             rounds.append(float(m["round"]))
             certify.append(float(m["cert"]))
+            sent.append(float(m["mb"]))
     done = [s for s in summaries if s]
     return {
         "case": case, "aggregator": aggregator, "exit_codes": codes, "wall_seconds": round(wall, 1),
@@ -109,6 +119,7 @@ def run(case: str, aggregator: str, versions: int, work: Path, timeout: float) -
         "rounds_failed": [s["rounds_failed"] for s in done],
         "round_seconds_median": statistics.median(rounds) if rounds else None,
         "certify_seconds_median": statistics.median(certify) if certify else None,
+        "sent_mb_per_round_median": statistics.median(sent) if sent else None,
     }
 
 
@@ -117,8 +128,8 @@ def table(results: list[dict]) -> str:
     """The Markdown table of BENCHMARKS.md."""
     clean = {r["aggregator"]: r for r in results if r["case"] == "clean"}
     lines = ["| attack | aggregator | honest eval loss | vs clean | one state | rounds committed (each) | wall s | "
-             "lost s | round s (median) | certify s (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "lost s | round s (median) | certify s (median) | MB sent per round (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = clean.get(r["aggregator"])
         ratio = (f"{r['eval_loss'] / base['eval_loss']:.3f}" if base and r["eval_loss"] and base["eval_loss"]
@@ -127,8 +138,9 @@ def table(results: list[dict]) -> str:
         loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "–"
         rs = f"{r['round_seconds_median']:.2f}" if r["round_seconds_median"] is not None else "–"
         cs = f"{r['certify_seconds_median']:.2f}" if r["certify_seconds_median"] is not None else "–"
+        mb = f"{r['sent_mb_per_round_median']:.3f}" if r.get("sent_mb_per_round_median") is not None else "–"
         lines.append(f"| {r['case']} | {r['aggregator']} | {loss} | {ratio} | {'yes' if r['states'] == 1 else 'no'} "
-                     f"| {r['rounds_committed']} | {r['wall_seconds']:.0f} | {lost} | {rs} | {cs} |")
+                     f"| {r['rounds_committed']} | {r['wall_seconds']:.0f} | {lost} | {rs} | {cs} | {mb} |")
     return "\n".join(lines)
 
 

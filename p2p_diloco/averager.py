@@ -34,12 +34,13 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, enter_a
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from p2p_diloco import shard_sketches
+from p2p_diloco import shard_sketches, signed_metadata
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
 from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.lifecycle import die_with_parent, serialize_requests
+from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.served import select_fragments
 from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, declared
 
@@ -112,6 +113,7 @@ class OuterGradientAverager(DecentralizedAverager):
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        cap_stream_messages()  # parts, replies and downloads come through this process's streams
         super().run()
 
     async def _step(self, **kwargs):
@@ -147,7 +149,10 @@ class OuterGradientAverager(DecentralizedAverager):
             mine = gathered.get(self.peer_id)
             self._fault_round = int(mine.get("version", -1)) + 1 if isinstance(mine, dict) else 0
             named = {str(p): m for p, m in gathered.items()}
-            verdict = judge(named, agreed_rules(named, self._rules))
+            # With signed records every member signs what it gathers: a leader cannot change it in relaying.
+            forged = {p: why for p, m in named.items() if self._owner and (why := signed_metadata.forged(p, m))}
+            verdict = judge(named, agreed_rules({p: m for p, m in named.items() if p not in forged}, self._rules),
+                            forged)
             self._leave_if_excluded(verdict, group_info, mine, fragment)
             self._check_quorum(verdict, group_info, gathered)
             excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]

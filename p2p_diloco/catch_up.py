@@ -253,7 +253,7 @@ class CatchUp:
         ours = self.state.states[frag.index]
         if same_or_behind(ours, theirs):
             return False
-        if theirs.descends_from(ours.version, ours.sha256()):
+        if self._descends(frag.index, theirs, ours):
             new = theirs  # ahead of us on our own lineage: catch up
         else:
             new = merge_lineages(ours, theirs)
@@ -275,6 +275,23 @@ class CatchUp:
         self.state.counters.missed_versions[frag.index] += max(0, new.version - ours.version)
         self.state.states[frag.index] = new
         return True
+
+    def _descends(self, fragment: int, theirs: GlobalState, ours: GlobalState) -> bool:
+        """Whether ``theirs`` descends from ``ours``: its served history says so and, when we verify, the
+        certificates it carries do not link it to another state at our version (the history is not part
+        of the state's hash; the certificates are signed). Beyond the certificates it carries, or across
+        a merge, the history's word stands: the state itself is certified either way."""
+        if not theirs.descends_from(ours.version, ours.sha256()):
+            return False
+        if self.verifier is None:
+            return True
+        linked = self.verifier.linked(fragment, (theirs.version, theirs.sha256()), (ours.version, ours.sha256()),
+                                      theirs.certificates)
+        if linked is False:
+            logger.warning(f"fragment {fragment}: a peer's v{theirs.version} {theirs.sha256()[:12]} lists our "
+                           f"v{ours.version} {ours.sha256()[:12]} in its history, but its certificates link it to "
+                           "another state at that version: treated as a sibling lineage")
+        return linked is not False
 
     def _certify_merge(self, fragment: int, merged: GlobalState) -> str:
         """Sign the merge and collect the signatures of the others that compute it (it is deterministic):

@@ -180,6 +180,27 @@ class Verifier:
                     f"signer(s), fewer than the quorum {self.quorum}")
         return ""
 
+    def linked(self, fragment: int, top: tuple[int, str], ancestor: tuple[int, str],
+               certificates: Sequence[Any]) -> bool | None:
+        """Whether the certificates a state carries link it (``top``: its version and sha) down to ``ancestor``.
+
+        Walks parent hashes from ``top``'s certificate down, one version at a time, through certificates
+        that pass :meth:`check`: True when the walk reaches ``ancestor``'s version at its sha, False when it
+        reaches that version at another sha (the state does not descend from it, whatever its served
+        history says), None when it cannot tell (a merge, whose commit names no parent, or a version
+        whose certificate the state no longer carries or that does not verify).
+        """
+        version, sha = top
+        while version > ancestor[0]:
+            if self.check(fragment, version, sha, certificates):
+                return None
+            cert = find(certificates, version)
+            assert isinstance(cert, Certificate)  # check() found it valid
+            if not cert.commit.parent:
+                return None
+            version, sha = version - 1, cert.commit.parent
+        return (version, sha) == tuple(ancestor) if version == ancestor[0] else None
+
     def contributors(self, version: int, certificates: Sequence[Any]) -> tuple[str, ...] | None:
         """The contributors of ``version`` as a valid certificate among ``certificates`` states them; else None."""
         cert = find(certificates, version)

@@ -182,8 +182,10 @@ class Verdict:
         return 1.0 if peer in self.unit else self.scale(peer)
 
 
-def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
-    """Apply the module's rule to a group's gathered metadata (peer id → dict).
+def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] | None = None) -> Verdict:
+    """Apply the module's rule to a group's gathered metadata (peer id → dict). ``forged``: the members
+    whose metadata does not carry their own signature (:mod:`p2p_diloco.signed_metadata`), with why;
+    they are excluded before anything they said counts.
 
     >>> meta = lambda n: {"norm": n, "finite": True, "weight": 1.0}
     >>> v = judge({"a": meta(1.0), "b": meta(1.2), "c": meta(100.0), "d": meta(float("nan"))}, Rules(8.0))
@@ -199,7 +201,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules) -> Verdict:
     rules = _with_step_tokens(gathered, rules)
     for peer in sorted(gathered):
         meta = gathered[peer]
-        why = _broken(meta)
+        why = (forged or {}).get(peer) or _broken(meta)
         if why:
             excluded[peer] = Exclusion(why)
             continue

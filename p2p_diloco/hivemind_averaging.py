@@ -27,6 +27,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time, get_logger
 
+from p2p_diloco import signed_metadata
 from p2p_diloco.averager import ExcludedFromRound, OuterGradientAverager, RefusedPeers
 from p2p_diloco.averaging import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
 from p2p_diloco.codecs import get_codec
@@ -194,8 +195,10 @@ class HivemindAveraging:
             metadata = {**metadata, "step_tokens": int(self.step_tokens)}
         if self.cfg.quorum == "majority":
             metadata = {**metadata, "quorum": self._quorum}
-        return {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
-                "bans": self._bans.listed()}
+        gathered = {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
+                    "bans": self._bans.listed()}
+        key = getattr(self.dht, "signing", None)  # with signed records, the metadata is signed too
+        return signed_metadata.sign(gathered, key) if key is not None else gathered
 
     def _average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any], version: int,
                  fragment: int, grace: float | None) -> AverageResult:

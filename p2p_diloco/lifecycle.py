@@ -24,6 +24,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from p2p_diloco.admission import Admission, gated_p2p
 from p2p_diloco.errors import LearnerError
+from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.signed_records import IdentityKey, OwnedRecords, owner_marker
 from p2p_diloco.traffic import counting_p2p
 
@@ -84,15 +85,17 @@ class LinkedDHT(hivemind.DHT):
     the DHT's and those of averagers on its p2pd (:meth:`replicate_p2p`), is behind ``admission``."""
 
     def __init__(self, *args: Any, admission: Admission | None = None, owned: OwnedRecords | None = None,
-                 owner: bytes = b"", **kwargs: Any):
+                 owner: bytes = b"", signing: IdentityKey | None = None, **kwargs: Any):
         self.admission = admission or Admission()
         self.owned = owned  # one of the record validators: the keys whose records must be signed
         self.owner = owner  # the subkey of this peer's own signed records (its public key marker)
+        self.signing = signing  # the identity key itself: the round's gathered metadata is signed with it
         super().__init__(*args, **kwargs)
         serialize_requests(self)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        cap_stream_messages()
         # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes one that
         # counts its RPCs (p2p_diloco/traffic.py) and, in a private swarm, is gated.
         import hivemind.dht.node
@@ -191,6 +194,7 @@ def start_dht(
             admission=admission,
             owned=owned,
             owner=owner,
+            signing=signing,
             record_validators=validators,
             client_mode=client_mode,
             use_relay=use_relay,

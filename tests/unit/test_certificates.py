@@ -212,3 +212,30 @@ def test_a_member_signs_only_once_every_contributors_sketch_passes_its_check(pee
     out = board(0, timeout=0.3).certify(commit, sketch={"from": 0}, verify=verify(0, ""), sketch_key="sk")
     assert isinstance(out, str) and "could not be checked, no sketch from" in out and peers[2][0][-6:] in out, out
     assert "run-lin_commit_0_5" not in shared
+
+
+def test_certificates_link_a_state_to_an_ancestor_by_parent_hashes_or_say_they_cannot(peers):
+    """A chain 3 -> 4 -> 5 -> 6 of certified commits: the state at 6 links down to 3's sha, not to another
+    sha at 3; a weak or missing certificate on the way, or a merge, leaves it unknown."""
+    members = tuple(sorted(p for p, _ in peers[:3]))
+    shas = {v: f"{v:x}" * 64 for v in range(3, 7)}
+
+    def chain(weak=None, merge_at=None):
+        out = []
+        for v in range(4, 7):
+            commit = Commit("run-lin", 0, v, shas[v], "" if v == merge_at else shas[v - 1],
+                            () if v == merge_at else members)
+            out.append(_cert(peers, commit, [0] if v == weak else [0, 1]).to_dict())
+        return out
+
+    v = Verifier("run-lin", quorum=2)
+    assert v.linked(0, (6, shas[6]), (3, shas[3]), chain()) is True
+    assert v.linked(0, (6, shas[6]), (5, shas[5]), chain()) is True
+    assert v.linked(0, (6, shas[6]), (6, shas[6]), chain()) is True
+    assert v.linked(0, (6, shas[6]), (3, "f" * 64), chain()) is False  # a history that lists another state at 3
+    assert v.linked(0, (6, shas[6]), (4, "f" * 64), chain()) is False
+    assert v.linked(0, (6, shas[6]), (3, shas[3]), chain(weak=5)) is None  # one signer at 5: cannot tell
+    assert v.linked(0, (6, shas[6]), (3, shas[3]), chain()[1:]) is None  # 4's certificate no longer carried
+    assert v.linked(0, (6, shas[6]), (3, shas[3]), chain(merge_at=5)) is None  # a merge names no parent
+    assert v.linked(0, (6, "f" * 64), (3, shas[3]), chain()) is None  # not even the top is certified
+    assert v.linked(0, (6, shas[6]), (7, shas[6]), chain()) is None  # "ancestor" above the state

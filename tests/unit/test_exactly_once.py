@@ -10,8 +10,10 @@ import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
 
+from p2p_diloco.admission import peer_id_of
 from p2p_diloco.allreduce import AllOrNothingReducer
 from p2p_diloco.catch_up import CatchUp
+from p2p_diloco.certificates import Certificate, Commit, Signature, Verifier
 from p2p_diloco.config import load_learner_config
 from p2p_diloco.fragments import build_fragments
 from p2p_diloco.grace import GraceWindow
@@ -22,6 +24,7 @@ from p2p_diloco.records import ProgressRecord
 from p2p_diloco.round import RoundOutcome, Stage
 from p2p_diloco.rounds import InFlight, Rounds
 from p2p_diloco.served import parse_download
+from p2p_diloco.signed_records import IdentityKey
 
 from .fake_averaging import FakeAveraging
 from .test_download import served, states
@@ -289,3 +292,23 @@ def test_a_merge_of_sibling_lineages_is_kept_only_if_others_hold_it(client, sign
         assert new.sha256() == theirs.sha256() and state.counters.merges == 0
         assert "so we take theirs" in caplog.text
     assert torch.allclose(state.local(frag)[0].detach(), new.params[0] + 0.5)  # local progress kept
+
+
+@pytest.mark.parametrize("honest_history", [True, False])
+def test_a_served_history_is_checked_against_the_certificates_it_comes_with(tmp_path, honest_history, caplog):
+    """A certified state at version 6 whose history lists our version 4: believed when its certificates
+    link 6 -> 5 -> our 4, overruled (a sibling, so a merge) when they link to another state at 4."""
+    keys = [(peer_id_of(tmp_path / f"{i}.key"), IdentityKey.load(tmp_path / f"{i}.key")) for i in range(2)]
+    state, catch_up, _ = _parts()
+    catch_up.verifier = Verifier("run-lin", quorum=2)
+    ours = state.states[0]
+    real_4 = ours.sha256() if honest_history else "e" * 64  # the state the swarm's version 5 was applied to
+    theirs = _state(7.0, 6)
+    theirs.history = [(4, ours.sha256()), (5, "5" * 64), (6, theirs.sha256())]  # what the server says
+    for version, sha, parent in ((5, "5" * 64, real_4), (6, theirs.sha256(), "5" * 64)):
+        commit = Commit("run-lin", 0, version, sha, parent, tuple(sorted(p for p, _ in keys)))
+        signatures = tuple(Signature.make(k, commit) for _, k in keys)
+        theirs.add_certificate(version, Certificate(commit, signatures).to_dict())
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.catch_up"):
+        assert catch_up._descends(0, theirs, ours) is honest_history
+    assert ("certificates link it to another state" in caplog.text) is not honest_history

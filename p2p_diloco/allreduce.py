@@ -17,7 +17,11 @@ format, timeouts, banning of failed senders):
    A failed reducer raises :class:`IncompleteAllReduce`, so no half-averaged tensor leaves the
    round, and a retry starts from the untouched inputs.
 
-Incoming parts that are not finite are refused and their sender is banned from the round.
+Everything a peer sends is checked (docs/security.md, "Hostile input on the wire"): a part or reply
+is refused by its header (index, codec tag, size) before it is decoded, and by its values after
+(non-finite, or a part larger than the norm its sender declared for its whole contribution). A
+refused part fails the all-reduce; :meth:`ExactAllReduceRunner.refused` names whose, so that the
+learner can ban them.
 
 4. A reducer drops its whole shard when a sender fails part-way (:class:`AllOrNothingReducer`):
    hivemind would average the parts that sender delivered with it and the rest without it. Every
@@ -238,7 +242,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                     yield msg
 
             def _try_decode(msg):
-                return self._checked_values(decode(msg.tensor_part))
+                try:
+                    return self._checked_values(decode(msg.tensor_part))
+                except ValueError as e:  # the codec's checks of a peer's buffer: a malformed reply
+                    raise MalformedPart(str(e)) from None
 
             async for averaged in amap_in_executor(
                 _try_decode, checked(self._counted(aiter_with_timeout(stream, self.reducer_timeout))),

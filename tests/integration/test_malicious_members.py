@@ -9,7 +9,6 @@ learners must keep committing, end on one state, never take the poisoned one, an
 
 import json
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -86,14 +85,12 @@ def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("aggregator", ["mean", "median"])
-def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm, aggregator):
+def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm):
     """From round 2 on the liar returns the shard it reduces scaled by −50, to everyone alike: every member
     would commit the same poisoned state, and the commit certificate would hold. The members' sketches
-    (p2p_diloco/shard_sketches.py: projections under the mean, spot values and a norm bound under the
-    median) catch it before anyone signs; they ban the reducer and commit without it."""
-    liar_id, texts = _three_honest_and_one(swarm, "lie at round 2 with shard",
-                                           extra=["--set", f"averaging.aggregator={aggregator}"])
+    (p2p_diloco/shard_sketches.py) catch it before anyone signs; they ban the reducer and commit without it.
+    (Under the median, tests/integration/test_reducer_check.py; a swarm: benchmarks/poisoning.py.)"""
+    liar_id, texts = _three_honest_and_one(swarm, "lie at round 2 with shard")
     caught = [t for t in texts if f"not signing the round: the shard reduced by {liar_id[-6:]} does not match" in t]
     assert caught, "\n".join(t[-3000:] for t in texts)
     assert any(f"{liar_id[-6:]} is banned from this learner's next" in t for t in texts)
@@ -103,13 +100,13 @@ def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm, agg
     assert late and 3 in late, late
 
 
-def _three_honest_and_one(swarm, fault: str, extra: Sequence[str] = ()) -> tuple[str, list[str]]:
-    """Three honest learners and one with ``fault`` to version TARGET (all with ``extra`` arguments): the
-    honest ones end on one state with a falling eval loss. The liar's peer id and the honest learners' logs."""
+def _three_honest_and_one(swarm, fault: str) -> tuple[str, list[str]]:
+    """Three honest learners and one with ``fault`` to version TARGET: the honest ones end on one state
+    with a falling eval loss. The liar's peer id and the honest learners' logs."""
     swarm.start_bootstrap()
     liar_id = peer_id_of(swarm.tmp / "ckpt-3" / "identity.key")
-    honest = [swarm.start_learner(i, max_outer_steps=TARGET, extra=list(extra)) for i in range(3)]
-    swarm.start_learner(3, max_outer_steps=TARGET, extra=[*extra, "--fault", fault])
+    honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]
+    swarm.start_learner(3, max_outer_steps=TARGET, extra=["--fault", fault])
     for p in honest:
         assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, range(3), TARGET)

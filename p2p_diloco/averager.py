@@ -42,7 +42,7 @@ from p2p_diloco.faults import FaultPlan
 from p2p_diloco.lifecycle import die_with_parent, serialize_requests
 from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.served import select_fragments
-from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, declared
+from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, declared, download_key
 
 logger = get_logger(__name__)
 
@@ -124,7 +124,7 @@ class OuterGradientAverager(DecentralizedAverager):
 
     async def _declare_for_download_periodically(self):
         # hivemind's loop, declaring under our signed subkey (its own writes our raw peer ID, unsigned)
-        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        key = download_key(self._matchmaking.group_key_manager.prefix)
         subkey = self._owner or self.peer_id.to_bytes()
         sharing_was_allowed = self.allow_state_sharing
         while True:
@@ -132,7 +132,7 @@ class OuterGradientAverager(DecentralizedAverager):
             if self.allow_state_sharing or sharing_was_allowed:
                 priority = self.state_sharing_priority if self.allow_state_sharing else None
                 asyncio.create_task(asyncio.wait_for(self.dht.store(
-                    download_key, subkey=subkey, value=priority, expiration_time=expiration_time, return_future=True),
+                    key, subkey=subkey, value=priority, expiration_time=expiration_time, return_future=True),
                     timeout=expiration_time - get_dht_time()))
                 sharing_was_allowed = self.allow_state_sharing
             self._state_updated.clear()
@@ -166,7 +166,7 @@ class OuterGradientAverager(DecentralizedAverager):
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, size, download_bandwidths, min_vector_size
             )
-            kwargs.update(_runner_roles(group_info.peer_ids, peer_fractions, excluded, verdict, gathered))
+            kwargs.update(_runner_roles(group_info.peer_ids, peer_fractions, excluded, verdict, named))
             kwargs["compression"], kwargs["tensor_infos"] = self._codecs[fragment], None
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 tensors = [all_tensors[i] for i in indices]
@@ -378,8 +378,7 @@ class OuterGradientAverager(DecentralizedAverager):
         future's result is ((metadata, tensors) or None, bytes received from every peer tried)."""
         received = [0]
         try:
-            prefix = self._matchmaking.group_key_manager.prefix
-            found = self.dht.get(f"{prefix}.all_averagers", latest=True)
+            found = self.dht.get(download_key(self._matchmaking.group_key_manager.prefix), latest=True)
             priority = {}
             for peer, info in declared(found.value if found is not None else None, self._owner):
                 value = getattr(info, "value", None)
@@ -454,7 +453,7 @@ _MAX_PEERS_TRIED = 8  # a download from "any peer" tries at most this many, high
 
 
 def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: Verdict,
-                  gathered: dict | None = None) -> dict[str, Any]:
+                  named: dict[str, Any] | None = None) -> dict[str, Any]:
     """The runner's modes, and each sender's weight and clipping factor, all from the verdict, and the norm
     of its whole contribution as reducers see it (its declared norm, clipped; 1 for unit vectors).
 
@@ -466,7 +465,7 @@ def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: V
         for fraction, out in zip(peer_fractions, excluded, strict=True)
     )
     senders = [str(p) for p, mode in zip(peer_ids, modes, strict=True) if mode != AveragingMode.AUX]
-    named = {str(p): m for p, m in (gathered or {}).items()}
+    named = named or {}  # the group's gathered metadata by peer id
     return {"modes": modes, "sender_weights": [verdict.weights[p] for p in senders],
             "sender_scales": [verdict.part_scale(p) for p in senders], "aggregator": verdict.aggregator,
             "sender_norms": [_declared_norm(named.get(p), p in verdict.unit, verdict.scale(p)) for p in senders]}

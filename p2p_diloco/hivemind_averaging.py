@@ -35,7 +35,7 @@ from p2p_diloco.config import AveragingConfig, ContributionLimits
 from p2p_diloco.exclusion import Bans, Rules, Verdict
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.merging import global_norm
-from p2p_diloco.signed_matchmaking import declared
+from p2p_diloco.signed_matchmaking import declared, download_key
 
 logger = get_logger(__name__)
 
@@ -371,7 +371,7 @@ def averaging_prefix(lineage: str) -> str:
 
 def download_priority_key(lineage: str) -> str:
     """hivemind's "who serves state, with what priority" key of a lineage (signed: protected like progress)."""
-    return f"{averaging_prefix(lineage)}.all_averagers"
+    return download_key(averaging_prefix(lineage))
 
 
 def group_key(prefix: str, fragment: int, version: int) -> str:

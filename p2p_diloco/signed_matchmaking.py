@@ -28,6 +28,11 @@ from p2p_diloco.signed_records import peer_id_of_owner
 logger = get_logger(__name__)
 
 
+def download_key(prefix: str) -> str:
+    """hivemind's "who serves state, with what priority" key of averagers with ``prefix``."""
+    return f"{prefix}.all_averagers"
+
+
 def declared(entries: object, owner: bytes) -> Iterator[tuple[PeerID, Any]]:
     """(peer ID, entry) for each declaration in a DHT dictionary value whose subkey the peer signed.
 

@@ -82,3 +82,14 @@ def committed_version(proc: Proc) -> int:
     """The version of the last outer round ``proc`` logged as committed (0 before the first)."""
     found = re.findall(r"outer round committed \| version (\d+)", proc.text())
     return int(found[-1]) if found else 0
+
+
+def eval_losses(proc: Proc, from_version: int = 0) -> list[float]:
+    """The eval losses ``proc`` logged at the end of its outer steps at ``from_version`` or later.
+
+    Right after a learner adopts a newer state it missed (it started late, say), its model is the new
+    state plus its own steps since the last merge (docs/design.md, "rebase, never discard"); early in
+    training that double step can read above 10 for one outer step, whatever a fault did later.
+    """
+    return [float(loss) for version, loss in re.findall(r"outer step done \| version (\d+) .*?eval_loss (\d+\.\d+)",
+                                                        proc.text()) if int(version) >= from_version]

@@ -10,16 +10,12 @@ import pytest
 
 from p2p_diloco.processes import processes_in_group, wait_until
 
-from .harness import committed_version
+from .harness import committed_version, eval_losses
 from .test_swarm import _assert_one_lineage
 
 pytestmark = pytest.mark.integration
 
 TARGET = 4
-
-
-def _eval_losses(proc) -> list[float]:
-    return [float(x) for x in re.findall(r"eval_loss (\d+\.\d+)", proc.text())]
 
 
 def _survivors_finish(swarm, learners, victim_index=2):
@@ -28,8 +24,8 @@ def _survivors_finish(swarm, learners, victim_index=2):
             assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, [i for i in range(len(learners)) if i != victim_index], TARGET)
     for i, s in zip([i for i in range(len(learners)) if i != victim_index], summaries, strict=True):
-        losses = _eval_losses(learners[i])
-        assert all(loss == loss and loss < 10 for loss in losses)  # finite
+        losses = eval_losses(learners[i], from_version=2)  # the outer steps since the fault's round
+        assert losses and all(loss == loss and loss < 10 for loss in losses), losses  # finite
         assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5
     return summaries
 

@@ -6,15 +6,18 @@ shard to everyone would have it committed: every member computes the same state 
 commit certificate holds. Only the senders of a shard know what went into it, each its own part.
 
 The check (docs/security.md, "Reducers"): after the all-reduce, each member derives a seed from the
-**result** (sha256 of the averaged fragment, bit-identical on every member), and for each shard r and
-j < :data:`PROJECTIONS` draws a Gaussian vector g from (seed, r, j). It publishes, signed, the
-projections ⟨g, x_r⟩ of the part x_r it sent to r (as r decoded and clipped it) and keeps
-⟨g, y_r⟩ of the shard y_r it received. Projections are linear, so an honest reducer's shard meets
+**result** (sha256 of the averaged fragment, bit-identical on every member) and draws from it
+:data:`PROJECTIONS` Gaussian vectors g of the longest shard's length, one set for all shards (a shard's
+coordinate i meets g_i in every shard). For each shard r it publishes, signed, the projections ⟨g, x_r⟩
+of the part x_r it sent to r (as r decoded and clipped it) and keeps ⟨g, y_r⟩ of the shard y_r it
+received. Projections are linear, so an honest reducer's shard meets
 
     ⟨g, y_r⟩ = Σ_i w_i ⟨g, x_i,r⟩ / Σ_i w_i     (w_i: the verdict's weights, as the reducer used them)
 
 up to the codec's rounding of the reply and fp32 sums. The seed is fixed only once y is, so a reducer
-cannot choose y to fit projections it does not know yet (changing y changes g); for a difference Δ
+cannot choose y to fit projections it does not know yet (changing y changes g), nor can several reducers
+together (the seed is fixed once every shard is, so one set of vectors for all shards is as safe as one
+per shard, and costs a group of N members N times less drawing); for a difference Δ
 from the true average, ⟨g, Δ⟩ is a normal variable of standard deviation ‖Δ‖, and the rounding ε
 of an honest reply gives ⟨g, ε⟩ of standard deviation ‖ε‖ ≤ ‖codec bound‖. The tolerance is
 :data:`Z` standard deviations of that honest error (a false alarm about once in 10¹⁵ checks), so a
@@ -62,6 +65,7 @@ import torch
 from p2p_diloco.aggregators import AGGREGATORS, aggregate
 
 PROJECTIONS = 4
+CHUNK = 1 << 20  # coordinates of the projection vectors drawn at a time (32 MiB of fp64 for four vectors)
 SPOTS = 32
 Z = 8.0
 _FP32_SUM = 2.0**-20  # relative error allowance of a reducer's fp32 weighted sum, per sender
@@ -80,18 +84,33 @@ def seed_of(outputs: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def projections(seed: str, shard: int, *vectors: torch.Tensor) -> list[list[float]]:
-    """For each of ``vectors`` (1-D, the same length): its :data:`PROJECTIONS` projections on shard's vectors."""
-    n = vectors[0].numel()
-    out: list[list[float]] = [[] for _ in vectors]
-    as64 = [v.reshape(-1).double() for v in vectors]
-    for j in range(PROJECTIONS):
-        digest = hashlib.sha256(f"{seed}:{shard}:{j}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-        g = torch.randn(n, generator=gen, dtype=torch.float32).double()
-        for k, v in enumerate(as64):
-            out[k].append(float(g @ v))
-    return out
+def _vectors(seed: str, chunk: int, n: int) -> torch.Tensor:
+    """The :data:`PROJECTIONS` Gaussian vectors' values at coordinates [chunk·CHUNK, chunk·CHUNK + n) of every
+    shard, as a (PROJECTIONS, n) fp64 tensor drawn from (seed, chunk)."""
+    digest = hashlib.sha256(f"{seed}:{chunk}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(PROJECTIONS, n, generator=gen, dtype=torch.float32).double()
+
+
+def projections(seed: str, shards: Sequence[Sequence[torch.Tensor]]) -> list[list[list[float]]]:
+    """Per shard, per vector of ``shards[r]`` (1-D, the shard's length): its :data:`PROJECTIONS` projections.
+
+    Every shard is projected on the same Gaussian vectors (coordinate i of a shard meets the same values
+    in every shard), drawn :data:`CHUNK` coordinates at a time from (seed, chunk) up to the longest shard's
+    length; every member knows the layout, so every member draws the same vectors. Each shard's check
+    stays a projection on Gaussian vectors that nobody knew before the result was fixed; drawing them
+    once instead of once per shard divides the cost of drawing by the number of shards.
+    """
+    longest = max((v.numel() for vectors in shards for v in vectors), default=0)
+    out = [[torch.zeros(PROJECTIONS, dtype=torch.float64) for _ in vectors] for vectors in shards]
+    for chunk, lo in enumerate(range(0, longest, CHUNK)):
+        g = _vectors(seed, chunk, min(CHUNK, longest - lo))
+        for vectors, acc in zip(shards, out, strict=True):
+            for v, a in zip(vectors, acc, strict=True):
+                part = v.reshape(-1)[lo:lo + CHUNK]
+                if part.numel():
+                    a += g[:, :part.numel()] @ part.double()
+    return [[a.tolist() for a in acc] for acc in out]
 
 
 def spots(seed: str, shard: int, n: int) -> torch.Tensor:
@@ -113,14 +132,13 @@ def sketch(seed: str, shards: Sequence[tuple[str, int, int]], sent: Sequence[tor
     out: dict[str, Any] = {"seed": seed, "aggregator": aggregator, "shards": [[p, a, b] for p, a, b in shards],
                            "sent": [], "result": [], "bound": [], "sent_spots": [], "sent_norm": [],
                            "result_spots": [], "spot_bound": [], "result_norm": []}
-    for r, ((_, a, b), part) in enumerate(zip(shards, sent, strict=True)):
-        y = result[a:b].reshape(-1)
-        x = part.reshape(-1).to(torch.float32)
-        got = projections(seed, r, y, x)
+    pairs = [(result[a:b].reshape(-1), part.reshape(-1).to(torch.float32))
+             for (_, a, b), part in zip(shards, sent, strict=True)]
+    for r, ((y, x), (got_y, got_x)) in enumerate(zip(pairs, projections(seed, pairs), strict=True)):
         err = bound(y).double().reshape(-1)
         at = spots(seed, r, y.numel())
-        out["result"].append(got[0])
-        out["sent"].append(got[1])
+        out["result"].append(got_y)
+        out["sent"].append(got_x)
         out["bound"].append(float(err.norm()))
         out["sent_spots"].append([float(v) for v in x[at]])
         out["sent_norm"].append(float(x.double().norm()))

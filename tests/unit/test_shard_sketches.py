@@ -154,9 +154,23 @@ def test_a_sender_whose_sketch_lies_fails_the_check_too():
     assert "does not match" in why and "or a sender's sketch, lied" in why
 
 
-def test_projections_depend_on_the_seed_and_shard_only():
+def test_projections_depend_on_the_seed_and_values_only():
     v = torch.arange(10, dtype=torch.float32)
-    assert shard_sketches.projections("s", 0, v) == shard_sketches.projections("s", 0, v)
-    assert shard_sketches.projections("s", 0, v) != shard_sketches.projections("s", 1, v)
-    assert shard_sketches.projections("s", 0, v) != shard_sketches.projections("t", 0, v)
-    assert len(shard_sketches.projections("s", 0, v)[0]) == shard_sketches.PROJECTIONS
+    one = shard_sketches.projections("s", [[v]])
+    assert one == shard_sketches.projections("s", [[v]])
+    assert one != shard_sketches.projections("t", [[v]])
+    assert len(one[0][0]) == shard_sketches.PROJECTIONS
+    # Every shard meets the same vectors (drawn up to the longest shard's length), whatever its index.
+    assert shard_sketches.projections("s", [[v], [v, 2 * v]]) == [one[0], [one[0][0], [2 * x for x in one[0][0]]]]
+
+
+def test_projections_across_chunks_are_exact_and_linear(monkeypatch):
+    monkeypatch.setattr(shard_sketches, "CHUNK", 7)  # vectors drawn 7 coordinates at a time
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(20, generator=g), torch.randn(13, generator=g)
+    (px,), (py,) = shard_sketches.projections("s", [[x], [y]])
+    vectors = torch.cat([shard_sketches._vectors("s", c, n) for c, n in enumerate([7, 7, 6])], dim=1)
+    assert px == pytest.approx((vectors @ x.double()).tolist(), rel=1e-12)
+    assert py == pytest.approx((vectors[:, :13] @ y.double()).tolist(), rel=1e-12)
+    (pxy,) = shard_sketches.projections("s", [[x + 2 * torch.cat([y, torch.zeros(7)])]])
+    assert pxy[0] == pytest.approx([a + 2 * b for a, b in zip(px, py, strict=True)], rel=1e-5)  # fp32 sum

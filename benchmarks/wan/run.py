@@ -66,7 +66,19 @@ def two_region_topology(rate: str, steps: int, run_id: str = "wan-bench", net: i
 ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .*allreduce ([\d.]+)s round ([\d.]+)s "
                    r"sent ([\d.]+) MB")
 
-SETTINGS = [("1gbit", "none"), ("20mbit", "none"), ("5mbit", "none"), ("5mbit", "int8"), ("1mbit", "none")]
+SETTINGS = [("1gbit", "none"), ("20mbit", "none"), ("10mbit", "none"), ("5mbit", "none"), ("5mbit", "int8"),
+            ("1mbit", "none")]
+UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def link_share(rate: str, sent_mb: float, allreduce_s: float) -> float:
+    """The share of a region's uplink rate that its all-reduce payload used while the all-reduce ran.
+
+    Each of the 4 learners sends its parts and averaged parts (``sent_mb``) to 3 groupmates in equal
+    shares, 2 of them in the other region: the 2 learners of a region put 2 · 2/3 · sent_mb on its uplink.
+    """
+    number, unit = re.fullmatch(r"([\d.]+)(\w+)", rate).groups()
+    return 2 * 2 / 3 * sent_mb * 1e6 * 8 / allreduce_s / (float(number) * UNITS[unit])
 QUICK = [("1gbit", "none"), ("5mbit", "none")]
 
 
@@ -93,6 +105,8 @@ def run_one(rate: str, codec: str, steps: int) -> dict:
         "allreduce_s_max": round(max(allreduce), 2) if allreduce else None,
         "round_s_median": round(statistics.median(round_s), 2) if round_s else None,
         "sent_mb_per_learner_round": round(statistics.median(sent), 3) if sent else None,
+        "uplink_share_median": round(link_share(rate, statistics.median(sent), statistics.median(allreduce)), 3)
+        if allreduce else None,
         "wan_mb_per_region": {k: round(v["up"] / 1e6, 2) for k, v in summary["links"].items()},
         "eval_loss_last": round(statistics.mean(s["last_eval_loss"] for s in learners.values()), 4),
     }
@@ -102,14 +116,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=4, help="outer steps per run")
+    p.add_argument("--json", type=Path, default=RESULTS, help="where to write the raw figures")
     a = p.parse_args()
     rows = []
     for rate, codec in QUICK if a.quick else SETTINGS:
         row = run_one(rate, codec, a.steps)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({
         "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()}"
                    f" cores, kernel {platform.release()}",
         "setup": "2 regions x 2 learners (peers/small-cpu.toml, 136,960 parameters, H = 20), tbf on both "
@@ -117,13 +132,14 @@ def main() -> int:
         "rows": rows,
     }, indent=2) + "\n")
     print("\n| WAN link (each way) | codec | all-reduce median / max (s) | round median (s) | sent per learner "
-          "per round (MB) | WAN MB out of a region (whole run) | one state |")
-    print("|---|---|---|---|---|---|---|")
+          "per round (MB) | payload rate / link rate (median) | WAN MB out of a region (whole run) | one state |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         wan = max(r["wan_mb_per_region"].values()) if r["wan_mb_per_region"] else 0
         one = "yes" if r["one_state"] else "NO"
         print(f"| {r['bandwidth']} | {r['codec']} | {r['allreduce_s_median']} / {r['allreduce_s_max']} | "
-              f"{r['round_s_median']} | {r['sent_mb_per_learner_round']} | {wan} | {one} |")
+              f"{r['round_s_median']} | {r['sent_mb_per_learner_round']} | {r['uplink_share_median']} | {wan} | "
+              f"{one} |")
     return 0 if all(r["exit_code"] == 0 and r["one_state"] for r in rows) else 1
 
 

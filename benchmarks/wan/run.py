@@ -63,8 +63,8 @@ def two_region_topology(rate: str, steps: int, run_id: str = "wan-bench", net: i
     """Topology file text: regions north and south, 2 learners each, both WAN links at ``rate``."""
     return TOPOLOGY.format(run_id=run_id, config=config, steps=steps, net=net, rate=rate)
 
-ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .*allreduce ([\d.]+)s round ([\d.]+)s "
-                   r"sent ([\d.]+) MB")
+ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .* group (\d+) .*allreduce ([\d.]+)s "
+                   r"round ([\d.]+)s sent ([\d.]+) MB")
 
 SETTINGS = [("1gbit", "none"), ("20mbit", "none"), ("10mbit", "none"), ("5mbit", "none"), ("5mbit", "int8"),
             ("1mbit", "none")]
@@ -93,9 +93,10 @@ def run_one(rate: str, codec: str, steps: int) -> dict:
         wall = time.monotonic() - t0
         summary = json.loads((Path(tmp) / "work" / "regions-summary.json").read_text())
     rounds = [m.groups() for line in r.stdout.splitlines() if (m := ROUND.match(line))]
-    allreduce = [float(g[2]) for g in rounds]
-    round_s = [float(g[3]) for g in rounds]
-    sent = [float(g[4]) for g in rounds]
+    allreduce = [float(g[3]) for g in rounds]
+    round_s = [float(g[4]) for g in rounds]
+    sent = [float(g[5]) for g in rounds]
+    full = [(float(g[5]), float(g[3])) for g in rounds if g[2] == "4"]  # link_share assumes a group of all 4
     learners = summary["learners"]
     return {
         "bandwidth": rate, "codec": codec, "exit_code": r.returncode, "wall_seconds": round(wall, 1),
@@ -105,8 +106,8 @@ def run_one(rate: str, codec: str, steps: int) -> dict:
         "allreduce_s_max": round(max(allreduce), 2) if allreduce else None,
         "round_s_median": round(statistics.median(round_s), 2) if round_s else None,
         "sent_mb_per_learner_round": round(statistics.median(sent), 3) if sent else None,
-        "uplink_share_median": round(link_share(rate, statistics.median(sent), statistics.median(allreduce)), 3)
-        if allreduce else None,
+        "groups": sorted(int(g[2]) for g in rounds),
+        "uplink_share_median": round(statistics.median(link_share(rate, mb, s) for mb, s in full), 3) if full else None,
         "wan_mb_per_region": {k: round(v["up"] / 1e6, 2) for k, v in summary["links"].items()},
         "eval_loss_last": round(statistics.mean(s["last_eval_loss"] for s in learners.values()), 4),
     }
@@ -117,9 +118,11 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=4, help="outer steps per run")
     p.add_argument("--json", type=Path, default=RESULTS, help="where to write the raw figures")
+    p.add_argument("--settings", help="comma list of rate:codec (e.g. 1mbit:none) instead of the built-in list")
     a = p.parse_args()
     rows = []
-    for rate, codec in QUICK if a.quick else SETTINGS:
+    chosen = [tuple(x.split(":")) for x in a.settings.split(",")] if a.settings else QUICK if a.quick else SETTINGS
+    for rate, codec in chosen:
         row = run_one(rate, codec, a.steps)
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -132,7 +135,8 @@ def main() -> int:
         "rows": rows,
     }, indent=2) + "\n")
     print("\n| WAN link (each way) | codec | all-reduce median / max (s) | round median (s) | sent per learner "
-          "per round (MB) | payload rate / link rate (median) | WAN MB out of a region (whole run) | one state |")
+          "per round (MB) | payload rate / link rate (median, groups of 4) | WAN MB out of a region (whole run) | "
+          "one state |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         wan = max(r["wan_mb_per_region"].values()) if r["wan_mb_per_region"] else 0

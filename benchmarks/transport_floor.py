@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
@@ -78,7 +80,7 @@ async def _p2pd_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrie
     for j, (pid, maddrs) in enumerate(everyone):
         if j != i:
             peer = PeerID(pid)
-            await p2p._client.connect(peer, [Multiaddr(m) for m in maddrs])
+            await p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
             others.append(peer)
     messages = [_message(s) for s in sizes]
 
@@ -120,6 +122,8 @@ async def _tcp_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrier
                 await P2P.send_protobuf(message, writer)
         finally:
             writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
 
     server = await asyncio.start_server(serve, LOOPBACK, 0)
     conn.send(server.sockets[0].getsockname()[1])
@@ -140,6 +144,7 @@ async def _tcp_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrier
             got += len(reply.tensor_part.buffer)
         await sending
         writer.close()
+        await writer.wait_closed()
         return got
 
     times = []
@@ -153,6 +158,7 @@ async def _tcp_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrier
         await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
     finally:
         server.close()
+        await server.wait_closed()
     return times[WARMUP_ROUNDS:]
 
 
@@ -172,10 +178,23 @@ def measure(transport: str, n: int, payload: int, part_size: int, rounds: int, t
     for p in procs:
         p.start()
     try:
-        addresses = [pipes[i][0].recv() for i in range(n)]
+        addresses = []
+        for i in range(n):
+            if not pipes[i][0].poll(60):
+                raise RuntimeError(f"{transport} peer {i} did not start within 60 s")
+            addresses.append(pipes[i][0].recv())
         for parent, _ in pipes:
             parent.send(addresses)
-        results = dict(out.get(timeout=timeout) for _ in range(n))
+        results: dict[int, list[float]] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < n:
+            try:
+                i, times = out.get(timeout=1.0)
+                results[i] = times
+            except queue.Empty:
+                failed = [j for j, p in enumerate(procs) if p.exitcode not in (None, 0) and j not in results]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"{transport} peers {failed or 'all'} failed or timed out") from None
     finally:
         for p in procs:
             p.join(10)

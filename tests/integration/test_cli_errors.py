@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -87,9 +88,15 @@ def _bad_model_inputs(tmp):
 
 @pytest.mark.timeout(300)
 def test_each_bad_input_of_a_real_model_run_is_one_line(tmp_path):
-    for name, extra, needle in _bad_model_inputs(tmp_path):
-        r = _run("learner", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--set", f"data.cache_dir={tmp_path / 'cache'}", *extra, timeout=120)
+    cases = _bad_model_inputs(tmp_path)
+
+    def run(i):
+        return _run("learner", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / f"ckpt{i}"),
+                    "--set", f"data.cache_dir={tmp_path / f'cache{i}'}", *cases[i][1], timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:  # each case is a process that mostly imports torch and transformers
+        results = list(pool.map(run, range(len(cases))))
+    for (name, _, needle), r in zip(cases, results, strict=True):
         assert r.returncode == 2, (name, r)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, r.stderr)

@@ -335,14 +335,19 @@ class HivemindAveraging:
             logger.debug(f"averager shutdown: {e!r}")
 
 
+_FAILED_STEP_FUNCTIONS = ("_step", "_aggregate_with_group")  # hivemind's, where a failed step is logged
+
+
 class _FailedStepToDebug(logging.Filter):
-    """Demote hivemind's traceback of a failed averaging step (``DecentralizedAverager._step``) to DEBUG;
-    "could not find a group" is dropped altogether. Other errors get through as they are."""
+    """Demote hivemind's tracebacks of a failed averaging step to DEBUG: the step's
+    (``DecentralizedAverager._step``) and its all-reduce's (``_aggregate_with_group``, logged before it is
+    re-raised to the step); "could not find a group" is dropped altogether. Other errors get through as
+    they are."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "could not find a group" in record.getMessage():
             return False
-        if record.levelno >= logging.ERROR and record.exc_info and record.funcName == "_step":
+        if record.levelno >= logging.ERROR and record.exc_info and record.funcName in _FAILED_STEP_FUNCTIONS:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True

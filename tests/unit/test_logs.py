@@ -53,6 +53,9 @@ def test_a_failed_averaging_step_traceback_goes_to_debug():
     step = record("Unable to run All-Reduce: sender 2 failed")
     f.filter(step)
     assert step.levelno == logging.DEBUG
+    allreduce = record("sender 2 failed", func="_aggregate_with_group")  # logged, then re-raised to _step
+    f.filter(allreduce)
+    assert allreduce.levelno == logging.DEBUG
     other = record("something else", func="rpc_join_group")
     assert f.filter(other) and other.levelno == logging.ERROR
 

@@ -47,10 +47,11 @@ What it does not cover: a sender whose sketch lies: nobody can tell it from a ly
 round fails and that shard's (honest) reducer is banned for a few rounds: a malicious member can
 spend its rounds to have honest reducers left out, though not to change what is committed.
 
-Sketches are plain msgpack-able dicts: ``{"seed": hex, "aggregator": name, "shards": [[reducer peer id,
-start, end], ...], "sent": [[k floats] per shard], "result": [[k floats] per shard], "bound": [float per
-shard], "sent_spots": [[s floats] per shard], "sent_norm": [float per shard], "result_spots": [[s floats]
-per shard], "spot_bound": [[s floats] per shard], "result_norm": [float per shard]}``.
+Sketches are plain msgpack-able dicts: ``{"seed": hex, "vectors": VECTORS, "aggregator": name,
+"shards": [[reducer peer id, start, end], ...], "sent": [[k floats] per shard], "result": [[k floats]
+per shard], "bound": [float per shard], "sent_spots": [[s floats] per shard], "sent_norm": [float per
+shard], "result_spots": [[s floats] per shard], "spot_bound": [[s floats] per shard], "result_norm":
+[float per shard]}``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ from p2p_diloco.aggregators import AGGREGATORS, aggregate
 
 PROJECTIONS = 4
 CHUNK = 1 << 20  # coordinates of the projection vectors drawn at a time (32 MiB of fp64 for four vectors)
+# How the vectors are drawn, carried in every sketch: a groupmate that draws them another way (an older
+# version) has its sketch named as such, instead of its projections failing to match and a reducer being blamed.
+VECTORS = "one set per sketch, drawn by the megavalue"
 SPOTS = 32
 Z = 8.0
 _FP32_SUM = 2.0**-20  # relative error allowance of a reducer's fp32 weighted sum, per sender
@@ -129,7 +133,8 @@ def sketch(seed: str, shards: Sequence[tuple[str, int, int]], sent: Sequence[tor
     codec's elementwise bound on rounding ``y`` (:meth:`Quantizer.error_bound`); ``aggregator``: what the
     reducers computed (:mod:`p2p_diloco.aggregators`).
     """
-    out: dict[str, Any] = {"seed": seed, "aggregator": aggregator, "shards": [[p, a, b] for p, a, b in shards],
+    out: dict[str, Any] = {"seed": seed, "vectors": VECTORS, "aggregator": aggregator,
+                           "shards": [[p, a, b] for p, a, b in shards],
                            "sent": [], "result": [], "bound": [], "sent_spots": [], "sent_norm": [],
                            "result_spots": [], "spot_bound": [], "result_norm": []}
     pairs = [(result[a:b].reshape(-1), part.reshape(-1).to(torch.float32))
@@ -157,6 +162,8 @@ def malformed(s: Any, like: Mapping[str, Any]) -> str:
     """Why sketch ``s`` (from a peer) cannot be checked against ours, ``like``; "" if it can."""
     if not isinstance(s, dict):
         return "not a sketch"
+    if s.get("vectors") != like.get("vectors"):
+        return "made by another version of the reducer check (its projection vectors are drawn otherwise)"
     if s.get("seed") != like["seed"]:
         return "computed from another result (the reducers sent it different shards)"
     if s.get("shards") != like["shards"] or s.get("aggregator") != like["aggregator"]:

@@ -133,6 +133,7 @@ def test_missing_or_malformed_sketches_are_named():
         ({**sketches[PEERS[2]], "sent": [[True] * 4, [0.0] * 4]}, "malformed projections"),
         ({**sketches[PEERS[2]], "sent": "x"}, "malformed projections"),
         ({**sketches[PEERS[2]], "seed": "0" * 64}, "computed from another result"),
+        ({k: v for k, v in sketches[PEERS[2]].items() if k != "vectors"}, "another version of the reducer check"),
         ({**sketches[PEERS[2]], "shards": [["peer-aaaaaa", 0, 1000]]}, "another layout"),
         ({**sketches[PEERS[2]], "aggregator": "median"}, "another aggregator"),
         ({**sketches[PEERS[2]], "sent_spots": [[0.0] * 3, [0.0] * 32]}, "malformed spot values"),

@@ -62,6 +62,21 @@ def _parts(payload: int, n: int, part_size: int) -> list[int]:
     return [min(part_size, shard - start) for start in range(0, shard, part_size)]
 
 
+async def _timed_rounds(exchange, groupmates: list, expected: int, rounds: int, barrier) -> list[float]:
+    """Warm-up and timed rounds of ``exchange`` with every groupmate at once, each started at the barrier;
+    each round's seconds (after the warm-up), checking that every groupmate echoed ``expected`` bytes."""
+    loop = asyncio.get_running_loop()
+    times = []
+    for _ in range(WARMUP_ROUNDS + rounds):
+        await loop.run_in_executor(None, barrier.wait)
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(exchange(peer) for peer in groupmates))
+        times.append(time.perf_counter() - t0)
+        assert all(g == expected for g in got), got
+    await loop.run_in_executor(None, barrier.wait)  # nobody leaves while others still send
+    return times[WARMUP_ROUNDS:]
+
+
 async def _p2pd_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrier) -> list[float]:
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
@@ -94,18 +109,10 @@ async def _p2pd_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrie
             got += len(reply.tensor_part.buffer)
         return got
 
-    times = []
     try:
-        for _ in range(WARMUP_ROUNDS + rounds):
-            await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
-            t0 = time.perf_counter()
-            got = await asyncio.gather(*(exchange(p) for p in others))
-            times.append(time.perf_counter() - t0)
-            assert all(g == sum(sizes) for g in got), got
-        await asyncio.get_running_loop().run_in_executor(None, barrier.wait)  # nobody leaves while others send
+        return await _timed_rounds(exchange, others, sum(sizes), rounds, barrier)
     finally:
         await p2p.shutdown()
-    return times[WARMUP_ROUNDS:]
 
 
 async def _tcp_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrier) -> list[float]:
@@ -147,19 +154,11 @@ async def _tcp_peer(i: int, n: int, sizes: list[int], rounds: int, conn, barrier
         await writer.wait_closed()
         return got
 
-    times = []
     try:
-        for _ in range(WARMUP_ROUNDS + rounds):
-            await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
-            t0 = time.perf_counter()
-            got = await asyncio.gather(*(exchange(p) for p in ports))
-            times.append(time.perf_counter() - t0)
-            assert all(g == sum(sizes) for g in got), got
-        await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
+        return await _timed_rounds(exchange, ports, sum(sizes), rounds, barrier)
     finally:
         server.close()
         await server.wait_closed()
-    return times[WARMUP_ROUNDS:]
 
 
 def _peer(transport: str, i: int, n: int, sizes: list[int], rounds: int, conn, barrier, out) -> None:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from p2p_diloco.processes import cli
+from p2p_diloco.regions.topology import rate_bits_per_second
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "wan_bench.json"
@@ -68,7 +69,6 @@ ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .* gr
 
 SETTINGS = [("1gbit", "none"), ("20mbit", "none"), ("10mbit", "none"), ("5mbit", "none"), ("5mbit", "int8"),
             ("1mbit", "none")]
-UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def link_share(rate: str, sent_mb: float, allreduce_s: float) -> float:
@@ -77,8 +77,7 @@ def link_share(rate: str, sent_mb: float, allreduce_s: float) -> float:
     Each of the 4 learners sends its parts and averaged parts (``sent_mb``) to 3 groupmates in equal
     shares, 2 of them in the other region: the 2 learners of a region put 2 · 2/3 · sent_mb on its uplink.
     """
-    number, unit = re.fullmatch(r"([\d.]+)(\w+)", rate).groups()
-    return 2 * 2 / 3 * sent_mb * 1e6 * 8 / allreduce_s / (float(number) * UNITS[unit])
+    return 2 * 2 / 3 * sent_mb * 1e6 * 8 / allreduce_s / rate_bits_per_second(rate)
 QUICK = [("1gbit", "none"), ("5mbit", "none")]
 
 

@@ -1,13 +1,12 @@
 """Two halves of a swarm train apart (separate DHTs), then meet: one lineage again, no loss jump."""
 
 import json
-import re
 
 import pytest
 
 from p2p_diloco.processes import wait_until
 
-from .harness import committed_version
+from .harness import committed_version, eval_losses
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +43,6 @@ def test_partitioned_halves_merge_back_into_one_lineage(swarm):
     assert "reachable: client only" in b[1].text()
     # Eval loss after the merge did not jump above where either side was before it.
     for p in [*a, *b]:
-        losses = [float(x) for x in re.findall(r"outer step done \| version \d+ .*?eval_loss (\d+\.\d+)", p.text())]
+        losses = eval_losses(p)
         assert max(losses[2:]) < losses[0] + 0.05, losses
     boot_a.kill_group()

@@ -202,7 +202,13 @@ class SyncConfig(_Section):
     schedule: Literal["steps", "clock"] = Field(
         "steps", description="steps: fragment f every H steps at offset f·H/P; clock: at wall-clock slots"
     )
-    period_seconds: float = Field(60.0, gt=0.0, description="clock schedule: seconds between a fragment's rounds")
+    period_seconds: float = Field(60.0, gt=0.0, description="clock schedule: seconds between a fragment's rounds "
+                                                           "(with pace = auto: until the swarm has measured one)")
+    pace: Literal["fixed", "auto"] = Field(
+        "fixed", description="fixed: period_seconds and overlap_steps as set. auto (clock schedule): the learners "
+                             "agree on the period through their records from their measured step and round times, "
+                             "and each sets τ to cover its expected round, at most overlap_steps when that is "
+                             "above 0 (p2p_diloco/pace.py, docs/design.md \"Pace from measurements\")")
     max_wait_seconds: float | None = Field(
         30.0, gt=0.0, description="with overlap (τ > 0): how long a learner waits at τ for a round that has not ended "
                                   "before it trains on; the round's result is applied when it ends. None = wait for it"
@@ -302,6 +308,8 @@ class LearnerConfig(_Section):
         if self.sync.schedule == "clock" and self.sync.period_seconds / p <= self.averaging.matchmaking_time:
             raise ValueError(f"sync.period_seconds / sync.fragments must exceed averaging.matchmaking_time "
                              f"({self.averaging.matchmaking_time}s) so that one round ends before the next")
+        if self.sync.pace == "auto" and self.sync.schedule != "clock":
+            raise ValueError("sync.pace = auto needs sync.schedule = clock (it sets the clock's period)")
         if p > 1 and tau >= h // p:
             # At most one round in flight: a fragment's result is applied before the next one starts.
             raise ValueError(f"sync.overlap_steps ({tau}) must be below inner.steps_per_outer / sync.fragments "

@@ -112,6 +112,11 @@ class ClockSchedule:
         """When the fragment's first slot after ``now`` opens."""
         return (self._slot(fragment, now) + 1) * self.period + fragment.index * self.period / len(self.fragments)
 
+    def retime(self, period: float, at: float) -> None:
+        """From DHT time ``at`` on, slots every ``period`` (a slot of the new grid at ``at`` itself included)."""
+        self.period = period
+        self._last = [self._slot(f, at - 1e-6) for f in self.fragments]
+
     def due(self, now: float) -> list[Fragment]:
         """The fragments whose next slot has opened by ``now`` (DHT time); each slot is returned once."""
         out = []

@@ -144,7 +144,7 @@ class Learner:
             time.sleep(cfg.inner.extra_step_seconds)
         elapsed = time.perf_counter() - started
         c.compute_seconds += elapsed
-        p.rounds.grace.observe_step(elapsed)
+        p.rounds.observe_step(elapsed)
         c.inner_steps += 1
         tokens = x.numel() * p.trainer.workers  # each worker of a unit took this step on its own batch
         c.tokens += tokens

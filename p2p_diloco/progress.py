@@ -13,9 +13,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hivemind.utils import get_dht_time
+
 from p2p_diloco.audit import Audit
 from p2p_diloco.faults import LIE_VERSIONS, FaultPlan
 from p2p_diloco.learner_state import LearnerState
+from p2p_diloco.pace import Pace
 from p2p_diloco.reach import reduces_and_serves
 from p2p_diloco.records import ProgressBoard, ProgressRecord, Status
 
@@ -44,6 +47,7 @@ class Progress:
         self.metrics: Metrics | None = None  # told how many other learners are visible, and the DHT's traffic
         self.traffic: Callable[[], dict[str, dict[str, int]]] = dict  # the DHT's RPC counts (traffic.read_traffic)
         self.swarm = SwarmWatch(gone_after=2 * record_ttl)
+        self.pace: Pace | None = None  # sync.pace = auto: our proposed period goes out, the swarm's comes in
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -63,9 +67,10 @@ class Progress:
         versions = tuple(e["version"] for e in entries)
         if self.faults and self.faults.lying("ahead", min(versions) + 1):
             versions = tuple(v + LIE_VERSIONS["ahead"] for v in versions)
+        proposal: dict[str, Any] = {"period": self.pace.proposal()} if self.pace is not None else {}
         self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(e["tokens"] for e in entries),
                                           self.status, versions=versions, shas=tuple(e["sha256"] for e in entries),
-                                          **self.resources()))
+                                          **self.resources(), **proposal))
 
     def records(self, fresh: bool) -> dict[str, ProgressRecord]:
         """The swarm's records (ours included): looked up now, or as last seen by the heartbeat."""
@@ -110,6 +115,19 @@ class Progress:
             if self.client:
                 self._say_if_only_clients(live)
             self._watch(seen, live)
+            if self.pace is not None and seen:
+                self._agree_on_pace(seen)
+
+    def _agree_on_pace(self, records: dict[str, ProgressRecord]) -> None:
+        """The period the training learners' records propose (ours among them; distrusted peers' left out)."""
+        assert self.pace is not None
+        proposals = [r.period for p, r in records.items() if r.status == "training" and self._trusted(p)]
+        change = self.pace.update(proposals, get_dht_time())
+        if change is not None:
+            period, at = change
+            logger.info(f"round period {self.pace.period:.1f} s → {period:.1f} s from {at - get_dht_time():.0f} s "
+                        f"from now (proposed by {len(proposals)} learner(s), this one {self.pace.proposal():.1f} s)")
+            self.audit.record("pace", period=round(period, 3), at=round(at, 3), proposals=len(proposals))
 
     def _live_others(self, records: dict[str, ProgressRecord]) -> list[ProgressRecord]:
         """The records of the other learners that have not left."""

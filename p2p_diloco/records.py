@@ -66,6 +66,7 @@ class ProgressRecord:
     eval_loss: float | None = None  # its last eval of its local model
     reach: str = ""  # how peers reach it: direct, relay or client (p2p_diloco.reach); "" unknown
     address: str = ""  # its first visible multiaddr, as it says; "" unknown
+    period: float = 0.0  # the round period it proposes (sync.pace = auto, p2p_diloco/pace.py); 0 none
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
@@ -133,7 +134,7 @@ def _resources(obj: dict) -> dict:
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62):
             raise RecordError(f"bad {name} {value!r}")
         out[name] = value
-    for name in ("tokens_per_second", "uptime"):
+    for name in ("tokens_per_second", "uptime", "period"):
         value = obj.get(name, 0.0)
         if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
                 and 0 <= value < 1e15):

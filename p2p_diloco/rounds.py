@@ -28,6 +28,7 @@ from p2p_diloco.learner_state import LearnerState, Unconfirmed
 from p2p_diloco.merging import token_weight
 from p2p_diloco.metrics import Metrics
 from p2p_diloco.outer import GlobalState, OuterOptimizer, apply_result
+from p2p_diloco.pace import Pace
 from p2p_diloco.progress import Progress
 from p2p_diloco.round import OuterRound, RoundOutcome, Stage
 
@@ -87,6 +88,17 @@ class Rounds:
     next_phase_look: float = 0.0  # monotonic time of the next DHT look for the others' rounds
     waits: int = 0  # slots in a row at which we were late for the swarm's round and waited for its next
     metrics: Metrics = field(default_factory=Metrics)
+    pace: Pace | None = None  # sync.pace = auto: the clock's period and τ follow measurements
+
+    def overlap(self) -> int:
+        """τ for the next round: measured (sync.pace = auto) or as configured."""
+        return self.pace.overlap() if self.pace is not None else self.cfg.sync.overlap_steps
+
+    def observe_step(self, seconds: float) -> None:
+        """One inner step took ``seconds``: the grace window and the pace measure it."""
+        self.grace.observe_step(seconds)
+        if self.pace is not None:
+            self.pace.observe_step(seconds)
 
     def tick(self) -> None:
         """After each inner step: apply a due result, adopt downloads, start the rounds that are due."""
@@ -109,11 +121,13 @@ class Rounds:
         """Start fragment ``frag``'s round: in the background when τ > 0 (applied at ``apply_at``),
         else (or with ``background=False``) here, applying its result before returning."""
         cfg, c, f = self.cfg, self.state.counters, frag.index
+        tau = self.overlap()
         if background is None:
-            background = cfg.sync.overlap_steps > 0
+            background = tau > 0
+        self.grace.overlap_steps = tau
         window = self.grace.choose()
         task = InFlight(
-            fragment=frag, apply_at=c.inner_steps + cfg.sync.overlap_steps,
+            fragment=frag, apply_at=c.inner_steps + tau,
             snapshot=self.state.snapshot(frag), tokens=c.tokens_since_merge[f],
             steps=c.steps_since_merge[f], window=window, state=self.state.states[f].copy(),
         )
@@ -159,6 +173,8 @@ class Rounds:
         self.last_outcome = out
         c.bytes_sent += out.bytes_sent
         self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
+        if self.pace is not None:
+            self.pace.observe_round(out.round_seconds, out.group_size)
         self.metrics.round(f, out)
         if out.committed:
             self._apply(task)
@@ -246,7 +262,12 @@ class Rounds:
         inner step plus :attr:`phase_shift` reaches their offset.
         """
         if self.clock is not None:
-            return self.clock.due(get_dht_time())
+            now = get_dht_time()
+            change = self.pace.due_change(now) if self.pace is not None else None
+            if change is not None:
+                self.clock.retime(*change)
+                logger.info(f"round period now {change[0]:.1f} s (τ {self.overlap()} steps)")
+            return self.clock.due(now)
         return due_fragments(self.state.fragments, self.state.counters.inner_steps + self.phase_shift,
                              self.cfg.inner.steps_per_outer)
 
@@ -321,7 +342,7 @@ class Rounds:
             logger.info(f"skipped fragment {f}'s slot: fragment {self.detached.fragment.index}'s late round is "
                         "still running")
             return
-        background = self.cfg.sync.overlap_steps > 0
+        background = self.overlap() > 0
         merges = self.state.counters.merges
         changed = self.catch_up.start(background=background)
         if self.catch_up.downloading(f):

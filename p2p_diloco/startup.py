@@ -47,6 +47,7 @@ from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
 from p2p_diloco.metrics import Metrics, first_address, resources
 from p2p_diloco.models import build_model, embedding_names, model_config_json, named_shapes, vocab_size
 from p2p_diloco.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
+from p2p_diloco.pace import Pace
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
 from p2p_diloco.reach import CLIENT, DIRECT, Reach, serve_checks
@@ -85,6 +86,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
         "steps_per_outer": cfg.inner.steps_per_outer, "schedule": cfg.sync.schedule,
         "period": cfg.sync.period_seconds if cfg.sync.schedule == "clock" else None,
     }
+    if cfg.sync.pace != "fixed":  # learners that agree on the period among themselves (same remark as below)
+        keys["pace"] = cfg.sync.pace
     if cfg.averaging.quorum != "fixed":  # a rule every member of a group applies alike (the fixed quorum's
         keys["quorum"] = cfg.averaging.quorum  # lineages keep the ids they had before the setting)
     if model_files is not None:
@@ -295,7 +298,8 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     progress.audit, progress.metrics, audit.on_record = audit, metrics, metrics.audited
     progress.traffic = functools.partial(read_traffic, dht)
     logger.info(f"{len(state.fragments)} fragment(s) of {[f.numel for f in state.fragments]} values; overlap τ = "
-                f"{cfg.sync.overlap_steps} steps; quorum K = {cfg.averaging.min_group_size}"
+                + ("measured (sync.pace = auto)" if cfg.sync.pace == "auto" else f"{cfg.sync.overlap_steps} steps")
+                + f"; quorum K = {cfg.averaging.min_group_size}"
                 + (", and a majority of the learners training" if cfg.averaging.quorum == "majority" else ""))
     averager = time.monotonic()
     averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client,
@@ -313,13 +317,24 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
                        audit=audit, on_adopt=after_merge)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
                         min(cfg.sync.max_grace, cfg.averaging.round_timeout / 2))
+    pace = None
+    if cfg.sync.pace == "auto":
+        pace = Pace(cfg.sync.period_seconds, floor=pace_floor(cfg), fragments=cfg.sync.fragments,
+                    steps_per_outer=cfg.inner.steps_per_outer, lead=cfg.network.record_ttl,
+                    max_overlap=cfg.sync.overlap_steps or None)
+        progress.pace = pace
     rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, after_merge,
-                    certifier=board, metrics=metrics, audit=audit)
+                    certifier=board, metrics=metrics, audit=audit, pace=pace)
     now = time.monotonic()
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
                 f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
     return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer,
                  metrics, audit)
+
+
+def pace_floor(cfg: LearnerConfig) -> float:
+    """The shortest period sync.pace = auto chooses: a slot per fragment of twice the matchmaking time."""
+    return 2.0 * cfg.sync.fragments * cfg.averaging.matchmaking_time
 
 
 def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:

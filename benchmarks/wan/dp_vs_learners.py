@@ -177,25 +177,54 @@ def _seconds_since(launched: datetime, hhmmss: str) -> float:
     return (t - launched).total_seconds()
 
 
-def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: float) -> dict:
-    d = work / f"learners-{rate}"
+# sync.pace = auto (--pace auto): one configuration for every link. The clock's period and τ follow the
+# learners' measurements (p2p_diloco/pace.py), starting from 20 s; a majority quorum (3 of 4) so that the
+# region-local pairs never commit one version twice.
+PACE_AUTO = ["sync.pace=auto", "sync.period_seconds=20", "sync.overlap_steps=0", "averaging.quorum=majority"]
+
+
+def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: float,
+                 change: tuple[str, float] | None = None) -> dict:
+    """The learners' run over links at ``rate``; ``change``: (new rate, seconds after launch) for every WAN link."""
+    d = work / (f"learners-{rate}" + ("" if change is None else f"-to-{change[0]}"))
     d.mkdir(parents=True, exist_ok=True)
     topo_path, _ = topology(rate, max_outer, d)
+    auto = "sync.pace=auto" in LEARNERS
+    period = [] if auto else [f"sync.period_seconds={period_seconds(rate)}"]
     cmd = cli("regions", "--topology", str(topo_path), "--workdir", str(d / "run"),
-              *[x for o in [*MODEL, *LEARNERS, f"sync.period_seconds={period_seconds(rate)}",
-                            f"run.stop_at_eval_loss={target}"] for x in ("--set", o)])
+              *[x for o in [*MODEL, *LEARNERS, *period, f"run.stop_at_eval_loss={target}"] for x in ("--set", o)])
     t0 = time.monotonic()
     with (d / "regions.log").open("w") as log:
         # Not a Proc: in this session, a Ctrl+C reaches the supervisor too, which then removes its namespaces.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
         try:
-            proc.wait(timeout)
+            if change is not None:
+                try:
+                    proc.wait(change[1])
+                except subprocess.TimeoutExpired:
+                    changed = change_rate(netns.run_prefix(proc.pid), change[0])
+                    print(f"[learners {rate}] WAN links now {change[0]} ({changed} qdiscs changed) after "
+                          f"{time.monotonic() - t0:.0f} s", flush=True)
+            proc.wait(max(1.0, timeout - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
             print(f"[learners {rate}] still running after {timeout:.0f} s: stopping them (SIGTERM)", flush=True)
             proc.terminate()  # the simulator stops its learners, writes the summary and tears down
             proc.wait(180)
     (d / "overrides.json").write_text(json.dumps(LEARNERS))
-    return {**learners_result(d, rate), "exit_code": proc.returncode, "wall_seconds": round(time.monotonic() - t0, 1)}
+    return {**learners_result(d, rate), "exit_code": proc.returncode, "wall_seconds": round(time.monotonic() - t0, 1),
+            "rate_change": None if change is None else {"to": change[0], "after_seconds": change[1]}}
+
+
+def change_rate(prefix: str, rate: str) -> int:
+    """Change the tbf rate of every WAN link end of the run whose namespaces start with ``prefix``
+    (``tc qdisc change``, as a link slowing down mid-run); returns how many qdiscs were changed."""
+    names = [n for n in netns.list_namespaces() if n.startswith(prefix)]
+    ends = [(n, "wan0") for n in names if n.startswith(f"{prefix}gw-")]
+    ends += [(f"{prefix}wan", f"gw-{n.removeprefix(f'{prefix}gw-')}") for n, _ in ends]
+    for ns, dev in ends:
+        add = netns.shape_commands(dev, rate)[0]
+        netns.sh("tc", "-n", ns, *["change" if x == "add" else x for x in add])
+    return len(ends)
 
 
 def learners_result(d: Path, rate: str) -> dict:
@@ -206,11 +235,16 @@ def learners_result(d: Path, rate: str) -> dict:
     reached = [(m.group(1), _seconds_since(launched, m.group(2)), float(m.group(3)), int(m.group(4)))
                for line in text.splitlines() if (m := REACHED.match(line))]
     summary = json.loads((d / "run" / "regions-summary.json").read_text())
+    periods = sorted({float(m.group(1)) for m in re.finditer(r"round period now ([\d.]+) s", text)})
     learners = summary["learners"]
     first = min(reached, key=lambda r: r[1]) if reached else None
     started = [_seconds_since(launched, m.group(2)) for line in text.splitlines() if (m := STARTED.match(line))]
     return {
-        "rate": rate, "period_seconds": period_seconds(rate),
+        "rate": rate, "period_seconds": None if periods else period_seconds(rate), "periods_taken": periods,
+        "rounds_committed": len(re.findall(r"outer round committed", text)),
+        "rounds_not_committed": len(re.findall(r"outer round not committed", text)),
+        "rounds_without_group": len(re.findall(r"outer round not committed \(.*no group formed", text)),
+        "slots_skipped": len(re.findall(r"skipped fragment \d+'s slot", text)),
         "time_to_target_seconds": first[1] if first else None,
         "startup_seconds": min(started) if started else None,
         "reached_by": first[0] if first else None, "version_at_target": first[3] if first else None,
@@ -303,6 +337,29 @@ def report(rows: list[dict], ref: dict, n_target: int | None, target: float, out
     print(f"results in {out}")
 
 
+def learners_only(a: argparse.Namespace, work: Path, change: tuple[str, float] | None) -> int:
+    """Train the learners at each rate; their speed-up over data parallel's time given by --dp-time."""
+    dp_time = {r: float(t) for r, _, t in (x.partition("=") for x in a.dp_time)}
+    rows = []
+    for rate in a.rates.split(","):
+        ln = run_learners(rate, a.target_loss, a.max_outer_steps, work, a.learner_timeout, change)
+        t, dp = ln["time_to_target_seconds"], dp_time.get(rate)
+        rows.append({"rate": rate, "learners": ln, "dp_time_to_target_seconds": dp,
+                     "speedup": dp / t if dp and t else None})
+        print(f"[learners {rate}{'' if change is None else f' then {change[0]}'}] time to target {t} s (version "
+              f"{ln['version_at_target']}), one state per version {ln['one_state_per_version']}; rounds "
+              f"{ln['rounds_committed']} committed, {ln['rounds_not_committed']} not ({ln['rounds_without_group']} "
+              f"without a group), {ln['slots_skipped']} slots skipped; periods {ln['periods_taken']}; "
+              f"compute share {ln['utilization']:.1%}; speed-up "
+              + (f"{rows[-1]['speedup']:.1f}×" if rows[-1]["speedup"] else "–"), flush=True)
+    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
+           "target_loss": a.target_loss, "model_overrides": MODEL, "learner_overrides": LEARNERS, "rows": rows}
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"results in {a.json}; logs in {work}")
+    return 0
+
+
 # -------------------------------------------------------------------------------------------------- main
 
 
@@ -326,9 +383,25 @@ def main() -> int:
                         "of earlier runs (same model, seeds and links) and train the learners only")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra learner setting, after the built-in ones (repeatable)")
+    p.add_argument("--pace", choices=["fixed", "auto"], default="fixed",
+                   help="fixed: the clock's period chosen per rate by period_seconds(rate), τ = 20; auto: one "
+                        "configuration for every rate (sync.pace = auto, majority quorum: PACE_AUTO)")
+    p.add_argument("--change-rate", default=None, metavar="RATE@SECONDS",
+                   help="change every WAN link to RATE this many seconds after the learners' launch (tc qdisc change)")
+    p.add_argument("--learners-only", action="store_true",
+                   help="no data parallel: train the learners only; speed-ups from --dp-time")
+    p.add_argument("--dp-time", nargs="*", default=[], metavar="RATE=SECONDS",
+                   help="with --learners-only: data parallel's time to the target at RATE, measured earlier")
     p.add_argument("--json", default=str(RESULTS))
     a = p.parse_args()
+    if a.pace == "auto":
+        LEARNERS.extend(PACE_AUTO)
     LEARNERS.extend(a.overrides)
+    change = None
+    if a.change_rate:
+        to, _, after = a.change_rate.partition("@")
+        rate_bits_per_second(to)
+        change = (to, float(after))
     if a.from_workdirs:
         return rerender([Path(w) for w in a.from_workdirs], a.target_loss, a.json)
     if os.geteuid() != 0:
@@ -339,6 +412,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"workdir {work}", flush=True)
 
+    if a.learners_only:
+        return learners_only(a, work, change)
     if a.dp_from:
         reuse_dp([Path(w) for w in a.dp_from], a.rates.split(","), work)
     ref = (dp_result(work / "dp-reference") if a.dp_from
@@ -370,7 +445,7 @@ def main() -> int:
         print(f"[dp {rate}] step {dp['step_seconds_median']:.2f}s (all-reduce {dp['allreduce_seconds_median']:.2f}s), "
               f"{dp['wan_bytes_per_step'] / 1e6:.1f} MB per step out of a region; time to target "
               f"{dp['time_to_target_seconds']}", flush=True)
-        ln = run_learners(rate, a.target_loss, a.max_outer_steps, work, a.learner_timeout)
+        ln = run_learners(rate, a.target_loss, a.max_outer_steps, work, a.learner_timeout, change)
         print(f"[learners {rate}] time to target {ln['time_to_target_seconds']} s (version "
               f"{ln['version_at_target']}), one state per version {ln['one_state_per_version']}", flush=True)
         rows.append(make_row(rate, dp, ln, n_target))

@@ -1,0 +1,140 @@
+"""The round period and the overlap τ from measurements (``sync.pace = "auto"``): one configuration for every link.
+
+On the clock schedule every learner opens fragment f's rounds at the same wall-clock slots, ``k·T + f·T/P``.
+A fixed period T is right for one link only: too short and a fragment's round is still in flight at the
+next fragment's slot (the slot is skipped, the fragment later downloaded); too long and a fast link idles.
+With ``sync.pace = "auto"`` each learner measures, and the swarm agrees on T through its progress records
+(docs/design.md, "Pace from measurements"):
+
+    proposal_i = max(floor, H · t_step_i, SAFETY · P · t_round_i)
+    T          = the smallest rung floor · √2^k at or above the upper median of the training learners' proposals,
+                 kept while that median stays above half of it (hysteresis), changed at the next multiple of
+                 the larger period that is at least ``lead`` seconds away
+    τ_i        = clamp(ceil(OVERLAP · t_round_i / t_step_i), 1, T / (P · t_step_i) − 1)
+
+t_step_i and t_round_i are exponential moving averages of learner i's own inner steps and of its rounds that
+formed a group (matchmaking, all-reduce and certificate). The floor is what the configuration needs
+(a slot per fragment longer than twice the matchmaking time). Every learner reads nearly the same records
+and computes the same T from them, and a change takes effect at a time that depends only on the two
+periods, so slots stay aligned; a learner whose read differs is misaligned until its next read.
+A minority of lying records cannot move the upper median outside the honest proposals' range, and a
+proposal is bounded by :data:`MAX_PERIOD`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+SAFETY = 2.0  # a fragment's slot (T / P) lasts this many expected rounds: rounds do not pile up
+OVERLAP = 1.25  # τ covers this many expected rounds of inner steps
+RUNG = math.sqrt(2)  # periods are floor · RUNG^k: learners whose proposals differ a little agree on one rung
+DOWN = 0.5  # the period goes down only once the median proposal is below this fraction of it
+MAX_PERIOD = 3600.0  # the longest period (a proposal above it is clamped)
+SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
+
+
+def rung(seconds: float, floor: float) -> float:
+    """The smallest period ``floor · RUNG^k`` (k ≥ 0) at or above ``seconds``, at most :data:`MAX_PERIOD`."""
+    if seconds <= floor:
+        return floor
+    k = math.ceil(math.log(seconds / floor, RUNG) - 1e-9)
+    return min(MAX_PERIOD, round(floor * RUNG**k, 3))  # rounded: a period every learner writes the same
+
+
+def agreed_period(proposals: Iterable[float], current: float, floor: float) -> float:
+    """The swarm's period from its learners' proposals (0 or less: none yet), given the ``current`` one."""
+    valid = [min(p, MAX_PERIOD) for p in proposals if math.isfinite(p) and p > 0]
+    if not valid:
+        return current
+    median = statistics.median_high(valid)
+    if current >= median > DOWN * current:
+        return current  # hysteresis: a proposal a little below the period does not move it
+    return rung(median, floor)
+
+
+def switch_time(old: float, new: float, now: float, lead: float) -> float:
+    """When a change of period takes effect: the first multiple of the larger period at least ``lead`` s after
+    ``now`` (DHT time), the same for every learner that decides the same change within that lead."""
+    step = max(old, new)
+    return math.ceil((now + lead) / step) * step
+
+
+@dataclass
+class Pace:
+    """One learner's measurements, its proposal and the period and τ it uses; thread-safe (the heartbeat
+    thread updates the period from the records, the training thread reads it and observes steps and rounds)."""
+
+    period: float  # T in use now (sync.period_seconds until the swarm agrees on one)
+    floor: float
+    fragments: int
+    steps_per_outer: int
+    lead: float  # seconds between deciding a change of period and its effect (the records' refresh interval)
+    max_overlap: int | None = None  # τ at most this (None: only the slot's length bounds it)
+    t_step: float | None = None
+    t_round: float | None = None
+    pending: tuple[float, float] | None = None  # (period, DHT time from which it applies)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+    def observe_step(self, seconds: float) -> None:
+        with self._lock:
+            self.t_step = self._ema(self.t_step, seconds)
+
+    def observe_round(self, seconds: float, group_size: int) -> None:
+        """A finished round: counted only when a group formed (a round that found none measures the timeout)."""
+        if group_size >= 2 and math.isfinite(seconds) and seconds >= 0:
+            with self._lock:
+                self.t_round = self._ema(self.t_round, seconds)
+
+    def proposal(self) -> float:
+        """This learner's proposed period (0.0 before it has measured an inner step)."""
+        with self._lock:
+            if self.t_step is None:
+                return 0.0
+            need = max(self.floor, self.steps_per_outer * self.t_step,
+                       SAFETY * self.fragments * (self.t_round or 0.0))
+            return min(MAX_PERIOD, need)
+
+    def overlap(self) -> int:
+        """τ for the next round: enough inner steps to cover an expected round, within the fragment's slot."""
+        with self._lock:
+            t_step, t_round, period = self.t_step, self.t_round, self.period
+        if not t_step or t_round is None:
+            tau = max(1, self.steps_per_outer // (2 * self.fragments))  # no round measured yet: half a slot
+        else:
+            tau = math.ceil(OVERLAP * t_round / t_step)
+        slot_steps = int(period / (self.fragments * t_step)) if t_step else self.steps_per_outer // self.fragments
+        tau = min(tau, max(1, slot_steps - 1))
+        if self.max_overlap is not None:
+            tau = min(tau, self.max_overlap)
+        return max(1, tau)
+
+    def update(self, proposals: Iterable[float], now: float) -> tuple[float, float] | None:
+        """Agree on the period with the records just read (``now``: DHT time); returns ``(period, at)`` when a
+        change is decided (it applies from ``at``; :meth:`due_change` hands it to the schedule)."""
+        with self._lock:
+            current = self.pending[0] if self.pending is not None else self.period
+            new = agreed_period(proposals, current, self.floor)
+            if new == current:
+                return None
+            self.pending = (new, switch_time(current, new, now, self.lead))
+            return self.pending
+
+    def due_change(self, now: float) -> tuple[float, float] | None:
+        """The decided change of period, once ``now`` (DHT time) has reached its time; it is then in use."""
+        with self._lock:
+            if self.pending is None or now < self.pending[1]:
+                return None
+            change, self.pending = self.pending, None
+            self.period = change[0]
+            return change

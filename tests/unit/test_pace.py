@@ -1,0 +1,121 @@
+"""sync.pace = auto (p2p_diloco/pace.py): the period and τ from measurements, agreed through the records."""
+
+import math
+
+import pytest
+
+from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.fragments import ClockSchedule, build_fragments
+from p2p_diloco.pace import MAX_PERIOD, SAFETY, Pace, agreed_period, rung, switch_time
+from p2p_diloco.records import ProgressRecord, RecordError
+
+
+def _pace(**kw) -> Pace:
+    args = {"period": 60.0, "floor": 10.0, "fragments": 2, "steps_per_outer": 50, "lead": 8.0}
+    return Pace(**{**args, **kw})
+
+
+def test_rungs_are_the_floor_times_powers_of_root_two():
+    assert rung(3.0, 10.0) == 10.0
+    assert rung(10.0, 10.0) == 10.0
+    assert rung(14.0, 10.0) == 14.142
+    assert math.isclose(rung(20.0, 10.0), 20.0)  # a proposal exactly on a rung stays there
+    assert rung(21.0, 10.0) == 28.284
+    assert rung(1e9, 10.0) == MAX_PERIOD
+
+
+def test_the_swarm_takes_the_upper_median_and_a_lying_minority_cannot_move_it_out_of_the_honest_range():
+    honest = [18.0, 19.0, 20.0]
+    assert agreed_period(honest, current=60.0, floor=10.0) == 20.0
+    # One liar of four, either way: the result is a rung of an honest proposal.
+    assert agreed_period([*honest, 1e12], current=60.0, floor=10.0) == 20.0
+    assert agreed_period([*honest, 0.001], current=60.0, floor=10.0) == 20.0
+    # Non-finite or absent proposals are not counted; none at all keeps the current period.
+    assert agreed_period([math.nan, math.inf, 0.0, 19.0], current=60.0, floor=10.0) == 20.0
+    assert agreed_period([0.0, -5.0], current=60.0, floor=10.0) == 60.0
+
+
+def test_hysteresis_goes_up_at_once_and_down_only_below_half():
+    assert agreed_period([35.0], current=40.0, floor=10.0) == 40.0  # a little below: kept
+    assert agreed_period([21.0], current=40.0, floor=10.0) == 40.0  # above half: kept
+    assert math.isclose(agreed_period([19.0], current=40.0, floor=10.0), 20.0)  # below half: down to its rung
+    assert agreed_period([41.0], current=40.0, floor=10.0) == 56.569  # above: up
+
+
+def test_a_change_takes_effect_at_the_same_time_for_learners_that_decide_it_a_few_seconds_apart():
+    at = switch_time(20.0, 40.0, now=1001.0, lead=8.0)
+    assert at == 1040.0 and at % 40.0 == 0
+    assert switch_time(20.0, 40.0, now=1005.0, lead=8.0) == at
+    assert switch_time(40.0, 20.0, now=1030.0, lead=8.0) == 1040.0
+
+
+def test_proposal_covers_h_steps_and_two_rounds_per_fragment_slot():
+    p = _pace()
+    assert p.proposal() == 0.0  # nothing measured: no proposal
+    for _ in range(20):
+        p.observe_step(0.4)
+    assert math.isclose(p.proposal(), 50 * 0.4)  # compute-bound: H steps
+    p.observe_round(30.0, group_size=1)  # no group formed: its duration measures a timeout, not the link
+    assert p.t_round is None
+    for _ in range(20):
+        p.observe_round(12.0, group_size=4)
+    assert math.isclose(p.proposal(), SAFETY * 2 * 12.0, rel_tol=1e-6)  # link-bound: 2 rounds per slot
+
+
+def test_overlap_covers_the_expected_round_within_the_slot():
+    p = _pace(period=40.0)
+    assert p.overlap() == 50 // 4  # nothing measured: half a slot of H / P steps
+    for _ in range(20):
+        p.observe_step(0.4)
+        p.observe_round(4.0, group_size=3)
+    assert p.overlap() == math.ceil(1.25 * 4.0 / 0.4)
+    for _ in range(40):
+        p.observe_round(60.0, group_size=3)
+    assert p.overlap() == int(40.0 / (2 * 0.4)) - 1  # a round longer than the slot: τ stops at the slot's end
+    assert _pace(period=40.0, max_overlap=5, t_step=0.4, t_round=4.0).overlap() == 5
+
+
+def test_the_clock_follows_a_decided_change_at_its_time_and_stays_aligned():
+    frags = build_fragments([("a", (64,)), ("b", (64,))], 2, 10)
+    p = _pace(period=20.0)
+    clocks = [ClockSchedule(frags, 20.0, now=1000.0), ClockSchedule(frags, 20.0, now=1000.0)]
+    # Two learners decide the same change 3 s apart.
+    assert p.update([38.0, 40.0], now=1001.0) is not None
+    q = _pace(period=20.0)
+    q.update([38.0, 40.0], now=1004.0)
+    assert p.pending == q.pending
+    period, at = p.pending
+    assert (period, at) == (40.0, 1040.0)
+    assert p.due_change(at - 0.1) is None and p.period == 20.0
+    fired: list[list[tuple[float, int]]] = [[], []]
+    t = 1000.0
+    while t < at + 3 * period:
+        t = round(t + 0.25, 2)
+        for i, (pace, clock) in enumerate(zip((p, q), clocks, strict=True)):
+            change = pace.due_change(t)
+            if change is not None:
+                clock.retime(*change)
+            fired[i] += [(t, f.index) for f in clock.due(t)]
+    assert fired[0] == fired[1]
+    after = [(t, f) for t, f in fired[0] if t >= at]
+    assert after[0] == (at, 0)  # the first slot of the new grid is the switch time itself
+    gaps = {round(b[0] - a[0], 2) for a, b in zip(after, after[1:], strict=False)}
+    assert gaps == {round(period / 2, 2)}
+
+
+def test_records_carry_the_proposal_and_refuse_a_bad_one():
+    r = ProgressRecord(1, "a" * 64, 10, period=24.5)
+    assert ProgressRecord.decode(r.encode()).period == 24.5
+    import msgpack
+
+    for bad in (-1.0, float("nan"), "20", True):
+        raw = msgpack.packb({**msgpack.unpackb(r.encode()), "period": bad})
+        with pytest.raises(RecordError, match="period"):
+            ProgressRecord.decode(raw)
+
+
+def test_pace_auto_needs_the_clock_schedule():
+    with pytest.raises(ConfigError, match="clock"):
+        load_learner_config("peers/small-cpu.toml", ["sync.pace=auto"])
+    cfg = load_learner_config("peers/small-cpu.toml", ["sync.pace=auto", "sync.schedule=clock"])
+    assert cfg.sync.pace == "auto"

@@ -130,10 +130,11 @@ class AveragingConfig(_Section):
     min_group_size: int = Field(2, ge=1)
     target_group_size: int = Field(16, ge=1)
     quorum: Literal["fixed", "majority"] = Field(
-        "fixed", description="fixed: a round commits with at least min_group_size contributors (K). majority: "
-                             "also with more than half of the learners the swarm's records show training, so "
-                             "that two disjoint groups never both commit the same version (docs/scale.md); "
-                             "the minority side of a partition then waits")
+        "majority", description="majority (default): a round commits with at least min_group_size contributors "
+                                "(K) and more than half of the learners the swarm's records show training, so "
+                                "that two disjoint groups never both commit the same version (docs/scale.md); the "
+                                "minority side of a partition then waits. fixed: K alone (groups smaller than "
+                                "half the swarm may then commit one version twice, healed later by a merge)")
     matchmaking_time: float = Field(4.0, gt=0.0, description="min seconds a leader waits for groupmates")
     request_timeout: float = Field(2.0, gt=0.0)
     round_timeout: float = Field(15.0, gt=0.0, description="give up finding a group after this long")

@@ -113,9 +113,11 @@ class ClockSchedule:
         return (self._slot(fragment, now) + 1) * self.period + fragment.index * self.period / len(self.fragments)
 
     def retime(self, period: float, at: float) -> None:
-        """From DHT time ``at`` on, slots every ``period`` (a slot of the new grid at ``at`` itself included)."""
+        """From DHT time ``at`` on, slots every ``period``: each fragment's first is its first on the new grid
+        strictly after ``at``. (A slot at ``at`` itself could come just after the fragment's last slot on the
+        old grid, while that round still runs.)"""
         self.period = period
-        self._last = [self._slot(f, at - 1e-6) for f in self.fragments]
+        self._last = [self._slot(f, at) for f in self.fragments]
 
     def due(self, now: float) -> list[Fragment]:
         """The fragments whose next slot has opened by ``now`` (DHT time); each slot is returned once."""

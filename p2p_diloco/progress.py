@@ -41,6 +41,7 @@ class Progress:
         self.faults: FaultPlan | None = None  # a test's plan: "lie ... with ahead" forges our record
         self.resources: Callable[[], dict[str, Any]] = dict  # the record's resource fields (metrics.resources)
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
+        self._training_seen: dict[str, float] = {}  # other peer → monotonic time its record last said training
         self.client = False  # we average as a client (p2p_diloco.reach): a group needs a reachable member
         self._only_clients = False
         self.audit = Audit.disabled()  # where the joins and leaves the heartbeat sees go (set once the log is open)
@@ -80,10 +81,23 @@ class Progress:
         return self._seen
 
     def training_learners(self) -> int:
-        """How many learners the records last read show training, ourselves always included (a majority
-        quorum's base: learners done or gone join no round)."""
-        others = self.others(fresh=False)
-        return 1 + sum(r.status == "training" for r in others.values())
+        """How many learners are training, ourselves always included (a majority quorum's base: learners done
+        or gone join no round): those the records last read show training, and those seen training within the
+        last ``record_ttl`` whose record that read missed. A DHT lookup can return part of the records (over a
+        slow link, a storing peer that missed some stores answers first); counting only what one read shows
+        let two learners of one region take the swarm for 3 and commit a version as a pair (WAN benchmark at
+        2 Mbit/s, 2026-12-03)."""
+        now = time.monotonic()
+        for peer, r in self.others(fresh=False).items():
+            if r.status == "training":
+                self._training_seen[peer] = now
+            else:
+                self._training_seen.pop(peer, None)  # done or left: says so itself
+        horizon = 3 * self.period  # record_ttl
+        for peer, seen in list(self._training_seen.items()):
+            if now - seen > horizon or not self._trusted(peer):
+                del self._training_seen[peer]
+        return 1 + len(self._training_seen)
 
     def distrust(self, peer: str, seconds: float) -> None:
         """Ignore ``peer``'s records for ``seconds`` (it served a state that failed verification)."""

@@ -30,7 +30,8 @@ def test_the_round_quorum_follows_the_learners_training():
     assert HivemindAveraging.round_quorum(seen) == 9
     seen.training_learners = lambda: 2
     assert HivemindAveraging.round_quorum(seen) == 2  # never below K
-    fixed = SimpleNamespace(cfg=load_learner_config(SMALL).averaging, training_learners=lambda: 16)
+    fixed = SimpleNamespace(cfg=load_learner_config(SMALL, ["averaging.quorum=fixed"]).averaging,
+                            training_learners=lambda: 16)
     assert HivemindAveraging.round_quorum(fixed) == fixed.cfg.min_group_size
 
 
@@ -53,21 +54,35 @@ def test_a_malformed_claim_counts_as_k(claim):
     assert group_quorum(["not a dict", {"quorum": claim}, 7], 3) == 3
 
 
-def test_the_base_of_a_majority_is_the_learners_training():
+def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
     def rec(status):
         return ProgressRecord(1, "a" * 64, 0, status, versions=(1,), shas=("a" * 64,))
     me = "me"
-    seen = {me: rec("training"), "p1": rec("training"), "p2": rec("done"), "p3": rec("left"), "p4": rec("training")}
-    progress = SimpleNamespace(state=SimpleNamespace(peer_id=me), records=lambda fresh: seen,
-                               _trusted=lambda peer: peer != "p4")
-    progress.others = lambda fresh: Progress.others(progress, fresh)
-    # us, and p1; p2 is done and p3 has left (neither joins a round); p4 is distrusted (it served a bad state)
-    assert Progress.training_learners(progress) == 2
+    reads = [{me: rec("training"), "p1": rec("training"), "p2": rec("done"), "p3": rec("left"),
+              "p4": rec("training"), "p5": rec("training")}]
+    board = SimpleNamespace(read=lambda: reads[-1])
+    progress = Progress(board, SimpleNamespace(peer_id=me), record_ttl=30.0)
+    progress.distrust("p4", 600)
+    clock = [1000.0]
+    monkeypatch.setattr("p2p_diloco.progress.time.monotonic", lambda: clock[0])
+    progress.records(fresh=True)
+    # us, p1 and p5; p2 is done and p3 has left (neither joins a round); p4 is distrusted (it served a bad state)
+    assert progress.training_learners() == 3
+    # A read that misses p5's record (a partial DHT answer) does not lower the count within record_ttl ...
+    reads.append({me: rec("training"), "p1": rec("training")})
+    clock[0] += 10
+    progress.records(fresh=True)
+    assert progress.training_learners() == 3
+    # ... after which p5 counts as gone; p1 saying it is done counts at once.
+    reads.append({me: rec("training"), "p1": rec("done")})
+    clock[0] += 25
+    progress.records(fresh=True)
+    assert progress.training_learners() == 1
 
 
 def test_the_setting_is_checked_and_joins_the_lineage():
     with pytest.raises(ConfigError, match="quorum"):
         load_learner_config(SMALL, ["averaging.quorum=most"])
-    fixed, most = (load_learner_config(SMALL, o) for o in ([], ["averaging.quorum=majority"]))
-    assert lineage_id(fixed) == "2543e0b8"  # unchanged by the new setting's default
+    fixed, most = (load_learner_config(SMALL, o) for o in (["averaging.quorum=fixed"], []))
+    assert lineage_id(fixed) == "2543e0b8"  # a fixed quorum keeps the id lineages had before the setting
     assert lineage_id(most) != lineage_id(fixed)  # learners that apply different quorums never meet

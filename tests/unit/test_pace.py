@@ -98,9 +98,14 @@ def test_the_clock_follows_a_decided_change_at_its_time_and_stays_aligned():
             fired[i] += [(t, f.index) for f in clock.due(t)]
     assert fired[0] == fired[1]
     after = [(t, f) for t, f in fired[0] if t >= at]
-    assert after[0] == (at, 0)  # the first slot of the new grid is the switch time itself
+    # The new grid's slots, strictly after the switch: fragment 1 half a period later, then fragment 0.
+    assert after[:2] == [(at + period / 2, 1), (at + period, 0)]
     gaps = {round(b[0] - a[0], 2) for a, b in zip(after, after[1:], strict=False)}
     assert gaps == {round(period / 2, 2)}
+    # No fragment's slot follows its previous one by less than the shorter period's half.
+    for f in (0, 1):
+        times = [t for t, g in fired[0] if g == f]
+        assert min(b - a for a, b in zip(times, times[1:], strict=False)) >= 20.0 / 2
 
 
 def test_records_carry_the_proposal_and_refuse_a_bad_one():

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+TRAINING_MEMORY = 60.0  # seconds a learner seen training counts for the majority quorum after reads miss it
+
 
 class Progress:
     """Publishes this learner's record (on demand and every ``record_ttl / 3`` from a heartbeat
@@ -49,6 +51,7 @@ class Progress:
         self.traffic: Callable[[], dict[str, dict[str, int]]] = dict  # the DHT's RPC counts (traffic.read_traffic)
         self.swarm = SwarmWatch(gone_after=2 * record_ttl)
         self.pace: Pace | None = None  # sync.pace = auto: our proposed period goes out, the swarm's comes in
+        self._proposals: dict[str, tuple[float, float]] = {}  # peer → (its proposed period, monotonic time seen)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -83,17 +86,18 @@ class Progress:
     def training_learners(self) -> int:
         """How many learners are training, ourselves always included (a majority quorum's base: learners done
         or gone join no round): those the records last read show training, and those seen training within the
-        last ``record_ttl`` whose record that read missed. A DHT lookup can return part of the records (over a
-        slow link, a storing peer that missed some stores answers first); counting only what one read shows
-        let two learners of one region take the swarm for 3 and commit a version as a pair (WAN benchmark at
-        2 Mbit/s, 2026-12-03)."""
+        last :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``) whose record later reads missed. While
+        all-reduces fill a slow link, lookups miss live learners' records for half a minute (WAN benchmark at
+        2 Mbit/s with ``record_ttl`` = 8 s, 2026-12-03: a learner saw its own region's peer "gone" for 16–27 s);
+        counting only what one read showed let two learners take the swarm for 3 and commit a version as a pair.
+        A learner that died counts that much longer: rounds need its share of the majority until then."""
         now = time.monotonic()
         for peer, r in self.others(fresh=False).items():
             if r.status == "training":
                 self._training_seen[peer] = now
             else:
                 self._training_seen.pop(peer, None)  # done or left: says so itself
-        horizon = 3 * self.period  # record_ttl
+        horizon = max(6 * self.period, TRAINING_MEMORY)  # 2 · record_ttl, at least a minute
         for peer, seen in list(self._training_seen.items()):
             if now - seen > horizon or not self._trusted(peer):
                 del self._training_seen[peer]
@@ -135,7 +139,15 @@ class Progress:
     def _agree_on_pace(self, records: dict[str, ProgressRecord]) -> None:
         """The period the training learners' records propose (ours among them; distrusted peers' left out)."""
         assert self.pace is not None
-        proposals = [r.period for p, r in records.items() if r.status == "training" and self._trusted(p)]
+        now = time.monotonic()
+        for peer, r in records.items():  # remembered like training_learners' count: a read may miss records
+            if r.status == "training" and self._trusted(peer):
+                self._proposals[peer] = (r.period, now)
+            else:
+                self._proposals.pop(peer, None)
+        horizon = max(6 * self.period, TRAINING_MEMORY)
+        self._proposals = {p: (v, t) for p, (v, t) in self._proposals.items() if now - t <= horizon}
+        proposals = [v for v, _ in self._proposals.values()]
         change = self.pace.update(proposals, get_dht_time())
         if change is not None:
             period, at = change

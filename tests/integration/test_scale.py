@@ -10,8 +10,8 @@ import pytest
 @pytest.mark.timeout(480)
 def test_eight_learners_with_groups_of_four_keep_one_state_per_version(swarm):
     swarm.start_bootstrap()
-    # Groups of 4 are below a majority of 8: under quorum = majority a group closes early only at 5.
-    extra = ["--set", "averaging.quorum=majority", "--set", "averaging.target_group_size=4",
+    # Groups of 4 are below a majority of 8: under the default quorum (majority) a group closes early only at 5.
+    extra = ["--set", "averaging.target_group_size=4",
              "--set", "inner.extra_step_seconds=0.03", "--set", "run.eval_every=1000000",
              "--set", "run.linger_seconds=30"]
     learners = [swarm.start_learner(i, max_outer_steps=3, extra=[*extra, "--shard-index", str(i % 4)])

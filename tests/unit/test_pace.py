@@ -124,3 +124,28 @@ def test_pace_auto_needs_the_clock_schedule():
         load_learner_config("peers/small-cpu.toml", ["sync.pace=auto"])
     cfg = load_learner_config("peers/small-cpu.toml", ["sync.pace=auto", "sync.schedule=clock"])
     assert cfg.sync.pace == "auto"
+
+
+def test_the_heartbeat_agrees_on_the_period_and_remembers_proposals_a_read_missed(monkeypatch):
+    from types import SimpleNamespace
+
+    from p2p_diloco.progress import Progress
+
+    def rec(period, status="training"):
+        return ProgressRecord(1, "a" * 64, 0, status, versions=(1,), shas=("a" * 64,), period=period)
+
+    progress = Progress(SimpleNamespace(read=dict), SimpleNamespace(peer_id="me"), record_ttl=8.0)
+    progress.pace = _pace(period=20.0)
+    clock = [1000.0]
+    monkeypatch.setattr("p2p_diloco.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("p2p_diloco.progress.get_dht_time", lambda: clock[0])
+    full = {"me": rec(30.0), "a": rec(38.0), "b": rec(40.0), "c": rec(80.0)}
+    progress._agree_on_pace(full)
+    assert progress.pace.pending == (40.0, 1040.0)  # the upper median of 30, 38, 40, 80: 40
+    # A read that misses two records (the upper median of what is left would be 30) changes nothing ...
+    clock[0] += 5
+    progress._agree_on_pace({"me": rec(30.0), "a": rec(38.0)})
+    assert progress.pace.pending == (40.0, 1040.0)
+    # ... nor does one that says a learner is done; its proposal no longer counts: upper median of 30, 38, 40.
+    progress._agree_on_pace({**full, "c": rec(80.0, "done")})
+    assert progress.pace.pending == (40.0, 1040.0)

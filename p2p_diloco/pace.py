@@ -6,7 +6,7 @@ next fragment's slot (the slot is skipped, the fragment later downloaded); too l
 With ``sync.pace = "auto"`` each learner measures, and the swarm agrees on T through its progress records
 (docs/design.md, "Pace from measurements"):
 
-    proposal_i = max(floor, H · t_step_i, SAFETY · P · t_round_i)
+    proposal_i = max(floor, H · t_step_i, SAFETY · P · t_round_i)      SAFETY = 1.5
     T          = the smallest rung floor · √2^k at or above the upper median of the training learners' proposals,
                  kept while that median stays above half of it (hysteresis), changed at the next multiple of
                  the larger period that is at least ``lead`` seconds away
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-SAFETY = 2.0  # a fragment's slot (T / P) lasts this many expected rounds: rounds do not pile up
+SAFETY = 1.5  # a fragment's slot (T / P) lasts this many expected rounds: rounds do not pile up
 OVERLAP = 1.25  # τ covers this many expected rounds of inner steps
 RUNG = math.sqrt(2)  # periods are floor · RUNG^k: learners whose proposals differ a little agree on one rung
 DOWN = 0.5  # the period goes down only once the median proposal is below this fraction of it

@@ -178,9 +178,11 @@ def _seconds_since(launched: datetime, hhmmss: str) -> float:
 
 
 # sync.pace = auto (--pace auto): one configuration for every link. The clock's period and τ follow the
-# learners' measurements (p2p_diloco/pace.py), starting from 20 s; a majority quorum (3 of 4) so that the
-# region-local pairs never commit one version twice.
-PACE_AUTO = ["sync.pace=auto", "sync.period_seconds=20", "sync.overlap_steps=0", "averaging.quorum=majority"]
+# learners' measurements (p2p_diloco/pace.py), starting from the default 60 s (a period that starts short
+# piles rounds up on a slow link before the first round is measured: at 2 Mbit/s from 20 s, one learner fell
+# behind in the first minute and spent the run downloading); the default majority quorum (3 of 4), so that
+# the region-local pairs never commit one version twice.
+PACE_AUTO = ["sync.pace=auto", "sync.period_seconds=60", "sync.overlap_steps=0", "averaging.quorum=majority"]
 
 
 def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: float,

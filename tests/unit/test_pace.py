@@ -49,7 +49,7 @@ def test_a_change_takes_effect_at_the_same_time_for_learners_that_decide_it_a_fe
     assert switch_time(40.0, 20.0, now=1030.0, lead=8.0) == 1040.0
 
 
-def test_proposal_covers_h_steps_and_two_rounds_per_fragment_slot():
+def test_proposal_covers_h_steps_and_one_and_a_half_rounds_per_fragment_slot():
     p = _pace()
     assert p.proposal() == 0.0  # nothing measured: no proposal
     for _ in range(20):
@@ -59,7 +59,7 @@ def test_proposal_covers_h_steps_and_two_rounds_per_fragment_slot():
     assert p.t_round is None
     for _ in range(20):
         p.observe_round(12.0, group_size=4)
-    assert math.isclose(p.proposal(), SAFETY * 2 * 12.0, rel_tol=1e-6)  # link-bound: 2 rounds per slot
+    assert math.isclose(p.proposal(), SAFETY * 2 * 12.0, rel_tol=1e-6)  # link-bound: 1.5 rounds per slot
 
 
 def test_overlap_covers_the_expected_round_within_the_slot():

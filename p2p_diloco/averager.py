@@ -422,11 +422,15 @@ class OuterGradientAverager(DecentralizedAverager):
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                tensors.append(whole_tensor(parts, len(tensors)))
                 parts = []
             parts.append(message.tensor_part)
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(whole_tensor(parts, len(tensors)))
+        wanted = range(len(self._fragments)) if fragments is None else sorted(set(fragments))
+        expected = sum(2 * len(self._fragments[f]) for f in wanted if 0 <= f < len(self._fragments))  # Θ, momentum
+        if metadata is not None and len(tensors) < expected:
+            raise ConnectionError(f"the stream ended after {len(tensors)} of {expected} tensors")
         return (metadata, tensors) if metadata is not None else None
 
     def download_cap(self, fragments: Sequence[int] | None) -> int:
@@ -480,6 +484,19 @@ def _declared_norm(metadata: Any, unit: bool, scale: float) -> float:
     if isinstance(norm, int | float) and not isinstance(norm, bool) and math.isfinite(norm) and norm >= 0:
         return float(norm) * scale
     return math.inf
+
+
+def whole_tensor(parts: list[Any], index: int) -> torch.Tensor:
+    """The tensor in a download's ``parts`` (hivemind's streaming chunks), or ConnectionError when they stop short.
+
+    hivemind ends a stream quietly when its connection closes (an incomplete read counts as its end), so a
+    download cut on a slow link arrives as a tensor missing its last chunks: a broken download (the learner tries
+    the next peer), not a malformed state (which would make it distrust an honest peer).
+    """
+    expected = max(1, parts[0].chunks)  # split_for_streaming sends one part even for an empty tensor
+    if len(parts) != expected:
+        raise ConnectionError(f"the stream ended after {len(parts)} of {expected} chunks of tensor {index}")
+    return deserialize_torch_tensor(combine_from_streaming(parts))
 
 
 def _agreed_fragment(gathered: dict, num_fragments: int) -> int:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TRAINING_MEMORY = 60.0  # seconds a learner seen training counts for the majority quorum after reads miss it
+TRAINING_MEMORY = 180.0  # seconds a learner seen training counts for the majority quorum after reads miss it
 
 
 class Progress:
@@ -87,8 +87,8 @@ class Progress:
         """How many learners are training, ourselves always included (a majority quorum's base: learners done
         or gone join no round): those the records last read show training, and those seen training within the
         last :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``) whose record later reads missed. While
-        all-reduces fill a slow link, lookups miss live learners' records for half a minute (WAN benchmark at
-        2 Mbit/s with ``record_ttl`` = 8 s, 2026-12-03: a learner saw its own region's peer "gone" for 16–27 s);
+        all-reduces fill a slow link, lookups miss live learners' records for up to a minute (WAN benchmark at
+        2 Mbit/s with ``record_ttl`` = 8 s, 2026-12-03: gaps of 16–57 s);
         counting only what one read showed let two learners take the swarm for 3 and commit a version as a pair.
         A learner that died counts that much longer: rounds need its share of the majority until then."""
         now = time.monotonic()
@@ -97,7 +97,7 @@ class Progress:
                 self._training_seen[peer] = now
             else:
                 self._training_seen.pop(peer, None)  # done or left: says so itself
-        horizon = max(6 * self.period, TRAINING_MEMORY)  # 2 · record_ttl, at least a minute
+        horizon = max(6 * self.period, TRAINING_MEMORY)  # 2 · record_ttl, at least TRAINING_MEMORY
         for peer, seen in list(self._training_seen.items()):
             if now - seen > horizon or not self._trusted(peer):
                 del self._training_seen[peer]

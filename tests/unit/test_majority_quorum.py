@@ -10,7 +10,7 @@ import pytest
 from p2p_diloco.averager import MAX_QUORUM, group_quorum
 from p2p_diloco.config import ConfigError, load_learner_config
 from p2p_diloco.hivemind_averaging import HivemindAveraging, majority
-from p2p_diloco.progress import Progress
+from p2p_diloco.progress import TRAINING_MEMORY, Progress
 from p2p_diloco.records import ProgressRecord
 from p2p_diloco.startup import lineage_id
 
@@ -68,16 +68,16 @@ def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
     progress.records(fresh=True)
     # us, p1 and p5; p2 is done and p3 has left (neither joins a round); p4 is distrusted (it served a bad state)
     assert progress.training_learners() == 3
-    # A read that misses p5's record (a partial DHT answer) does not lower the count for a minute ...
+    # A read that misses p5's record (a partial DHT answer) does not lower the count for TRAINING_MEMORY ...
     reads.append({me: rec("training"), "p1": rec("training")})
     clock[0] += 10
     progress.records(fresh=True)
     assert progress.training_learners() == 3
     # ... after which p5 counts as gone; p1 saying it is done counts at once.
     reads.append({me: rec("training"), "p1": rec("done")})
-    clock[0] += 45
+    clock[0] = 1000.0 + TRAINING_MEMORY - 5
     progress.records(fresh=True)
-    assert progress.training_learners() == 2  # p1 is done; p5, missed for 55 s, still counts
+    assert progress.training_learners() == 2  # p1 is done; p5, missed for almost TRAINING_MEMORY, still counts
     clock[0] += 10
     assert progress.training_learners() == 1
 

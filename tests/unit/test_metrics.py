@@ -162,7 +162,7 @@ def _downloader(messages, cap: int):
 
     stub = SimpleNamespace(rpc_download_fragments=rpc_download_fragments)
     return SimpleNamespace(get_stub=lambda *a, **k: stub, _p2p=None, prefix="x", serializer=MSGPackSerializer,
-                           download_cap=lambda _fragments: cap)
+                           download_cap=lambda _fragments: cap, _fragments=[(0,)])  # fragment 0: Θ and momentum
 
 
 def test_a_download_counts_every_byte_it_received_even_when_cut():
@@ -178,6 +178,10 @@ def test_a_download_counts_every_byte_it_received_even_when_cut():
     with pytest.raises(ValueError, match="exceeds"):
         asyncio.run(OuterGradientAverager._download(_downloader(messages, 600), peer, 5.0, [0], cut))
     assert 600 < cut[0] < total  # what came in before the cut counts
+    # A stream that ends between two tensors (the connection closed): a broken download, not a short state.
+    first = _served_stream([torch.arange(300.0)], MSGPackSerializer.dumps({"sha256": "a"}))
+    with pytest.raises(ConnectionError, match="after 1 of 2 tensors"):
+        asyncio.run(OuterGradientAverager._download(_downloader(first, 10**6), peer, 5.0, [0], [0]))
 
 
 def test_the_learner_is_told_of_downloaded_bytes_failed_or_not():

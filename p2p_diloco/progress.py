@@ -43,7 +43,8 @@ class Progress:
         self.faults: FaultPlan | None = None  # a test's plan: "lie ... with ahead" forges our record
         self.resources: Callable[[], dict[str, Any]] = dict  # the record's resource fields (metrics.resources)
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
-        self._training_seen: dict[str, float] = {}  # other peer → monotonic time its record last said training
+        # Trusted peer (ours included) → its last record that said training, and when a read showed it (monotonic).
+        self._training: dict[str, tuple[ProgressRecord, float]] = {}
         self.client = False  # we average as a client (p2p_diloco.reach): a group needs a reachable member
         self._only_clients = False
         self.audit = Audit.disabled()  # where the joins and leaves the heartbeat sees go (set once the log is open)
@@ -51,7 +52,6 @@ class Progress:
         self.traffic: Callable[[], dict[str, dict[str, int]]] = dict  # the DHT's RPC counts (traffic.read_traffic)
         self.swarm = SwarmWatch(gone_after=2 * record_ttl)
         self.pace: Pace | None = None  # sync.pace = auto: our proposed period goes out, the swarm's comes in
-        self._proposals: dict[str, tuple[float, float]] = {}  # peer → (its proposed period, monotonic time seen)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -81,27 +81,42 @@ class Progress:
         if fresh or self._seen is None or self.stale:
             self.stale = False  # before the lookup: a round failing meanwhile marks it stale again
             self._seen = self.board.read()
+            self._remember(self._seen)
         return self._seen
 
     def training_learners(self) -> int:
         """How many learners are training, ourselves always included (a majority quorum's base: learners done
-        or gone join no round): those the records last read show training, and those seen training within the
-        last :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``) whose record later reads missed. While
-        all-reduces fill a slow link, lookups miss live learners' records for up to a minute (WAN benchmark at
-        2 Mbit/s with ``record_ttl`` = 8 s, 2026-12-03: gaps of 16–57 s);
-        counting only what one read showed let two learners take the swarm for 3 and commit a version as a pair.
-        A learner that died counts that much longer: rounds need its share of the majority until then."""
-        now = time.monotonic()
-        for peer, r in self.others(fresh=False).items():
+        or gone join no round): those the records show training, remembered as :meth:`recently_training` says."""
+        self.records(fresh=False)  # looked up afresh if none was read yet or a round failed since (stale)
+        return 1 + sum(peer != self.state.peer_id for peer in self.recently_training())
+
+    def recently_training(self) -> dict[str, ProgressRecord]:
+        """The trusted learners (ours included) whose last record said training, seen by a read within the last
+        :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``). A read can miss records: while all-reduces fill
+        a slow link, lookups miss live learners' records for up to a minute (WAN benchmark at 2 Mbit/s with
+        ``record_ttl`` = 8 s, 2026-12-03: gaps of 16–57 s); counting only what one read showed let two learners
+        take the swarm for 3 and commit a version as a pair. A learner that died counts that much longer: rounds
+        need its share of the majority until then."""
+        now, horizon = time.monotonic(), self._memory
+        return {p: r for p, (r, seen) in list(self._training.items()) if now - seen <= horizon and self._trusted(p)}
+
+    @property
+    def _memory(self) -> float:
+        """Seconds a learner seen training stays in :meth:`recently_training`: 2 · record_ttl, at least
+        :data:`TRAINING_MEMORY`."""
+        return max(6 * self.period, TRAINING_MEMORY)
+
+    def _remember(self, records: dict[str, ProgressRecord]) -> None:
+        """Fold a read's records into :meth:`recently_training` (a record saying done or left drops its peer)."""
+        now, horizon = time.monotonic(), self._memory
+        for peer, r in records.items():
             if r.status == "training":
-                self._training_seen[peer] = now
+                self._training[peer] = (r, now)
             else:
-                self._training_seen.pop(peer, None)  # done or left: says so itself
-        horizon = max(6 * self.period, TRAINING_MEMORY)  # 2 · record_ttl, at least TRAINING_MEMORY
-        for peer, seen in list(self._training_seen.items()):
-            if now - seen > horizon or not self._trusted(peer):
-                del self._training_seen[peer]
-        return 1 + len(self._training_seen)
+                self._training.pop(peer, None)
+        for peer, (_, seen) in list(self._training.items()):
+            if now - seen > horizon:
+                del self._training[peer]  # the memory holds no more than the learners seen within its horizon
 
     def distrust(self, peer: str, seconds: float) -> None:
         """Ignore ``peer``'s records for ``seconds`` (it served a state that failed verification)."""
@@ -129,25 +144,18 @@ class Progress:
         while not self._stop.wait(self.period):
             self.publish()
             self._seen = seen = self.board.read()  # leaves `stale` to the training thread
+            self._remember(seen)
             live = self._live_others(seen)
             if self.client:
                 self._say_if_only_clients(live)
             self._watch(seen, live)
             if self.pace is not None and seen:
-                self._agree_on_pace(seen)
+                self._agree_on_pace()
 
-    def _agree_on_pace(self, records: dict[str, ProgressRecord]) -> None:
+    def _agree_on_pace(self) -> None:
         """The period the training learners' records propose (ours among them; distrusted peers' left out)."""
         assert self.pace is not None
-        now = time.monotonic()
-        for peer, r in records.items():  # remembered like training_learners' count: a read may miss records
-            if r.status == "training" and self._trusted(peer):
-                self._proposals[peer] = (r.period, now)
-            else:
-                self._proposals.pop(peer, None)
-        horizon = max(6 * self.period, TRAINING_MEMORY)
-        self._proposals = {p: (v, t) for p, (v, t) in self._proposals.items() if now - t <= horizon}
-        proposals = [v for v, _ in self._proposals.values()]
+        proposals = [r.period for r in self.recently_training().values()]  # a read may miss records: remembered
         change = self.pace.update(proposals, get_dht_time())
         if change is not None:
             period, at = change

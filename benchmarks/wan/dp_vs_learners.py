@@ -224,8 +224,8 @@ def change_rate(prefix: str, rate: str) -> int:
     ends = [(n, "wan0") for n in names if n.startswith(f"{prefix}gw-")]
     ends += [(f"{prefix}wan", f"gw-{n.removeprefix(f'{prefix}gw-')}") for n, _ in ends]
     for ns, dev in ends:
-        add = netns.shape_commands(dev, rate)[0]
-        netns.sh("tc", "-n", ns, *["change" if x == "add" else x for x in add])
+        for cmd in netns.shape_commands(dev, rate, verb="change"):
+            netns.sh("tc", "-n", ns, *cmd)
     return len(ends)
 
 

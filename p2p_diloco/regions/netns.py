@@ -237,12 +237,13 @@ def _burst_bytes(rate_bps: int) -> int:
 
 
 def shape_commands(dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float = 0.0,
-                   netem: bool = False) -> list[list[str]]:
+                   netem: bool = False, verb: str = "add") -> list[list[str]]:
     """``tc`` argument lists that shape the egress of ``dev``: tbf at ``rate``, under netem when asked.
 
     With netem the recipe is netem (delay, loss) at the root and tbf as its only child: packets are
     delayed, then leave at the link's rate. The same commands run in the simulator's namespaces
-    and in the Docker gateways (``python -m p2p_diloco.regions.shape``).
+    and in the Docker gateways (``python -m p2p_diloco.regions.shape``). ``verb = "change"`` re-shapes a
+    link already shaped the same way (a link slowing down mid-run).
     """
     bps = rate_bits_per_second(rate)
     tbf = ["tbf", "rate", f"{bps}bit", "burst", str(_burst_bytes(bps)), "latency", "100ms"]
@@ -252,9 +253,9 @@ def shape_commands(dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float =
             em += ["delay", f"{delay_ms:g}ms"]
         if loss_pct > 0:
             em += ["loss", f"{loss_pct:g}%"]
-        return [["qdisc", "add", "dev", dev, "root", "handle", "1:", *em],
-                ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf]]
-    return [["qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf]]
+        return [["qdisc", verb, "dev", dev, "root", "handle", "1:", *em],
+                ["qdisc", verb, "dev", dev, "parent", "1:1", "handle", "10:", *tbf]]
+    return [["qdisc", verb, "dev", dev, "root", "handle", "1:", *tbf]]
 
 
 def shape(ns: str | None, dev: str, rate: str, delay_ms: float = 0.0, loss_pct: float = 0.0,

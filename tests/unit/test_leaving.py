@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from p2p_diloco.parting import Leaving
 from p2p_diloco.progress import Progress
+from p2p_diloco.records import ProgressRecord
 
 
 def _learner(drain_seconds: float = 30.0) -> Leaving:
@@ -42,23 +43,28 @@ def test_a_second_signal_or_no_budget_leaves_at_once():
     assert none()
 
 
+def _read(n: int) -> ProgressRecord:
+    """The record the fake board returns at its n-th read (its tokens say which read it was)."""
+    return ProgressRecord(1, "a" * 64, n)
+
+
 class _Board:
     def __init__(self):
         self.reads = 0
 
     def read(self):
         self.reads += 1
-        return {"peer": self.reads}
+        return {"peer": _read(self.reads)}
 
 
 def test_the_training_loop_reads_records_as_last_seen_until_a_round_fails():
     learner = Progress(_Board(), SimpleNamespace(peer_id="me"), 15.0)
-    assert learner.records(fresh=False) == {"peer": 1}  # nothing seen yet: looked up
-    assert learner.records(fresh=False) == {"peer": 1}  # as last seen: no lookup
-    assert learner.records(fresh=True) == {"peer": 2}
+    assert learner.records(fresh=False) == {"peer": _read(1)}  # nothing seen yet: looked up
+    assert learner.records(fresh=False) == {"peer": _read(1)}  # as last seen: no lookup
+    assert learner.records(fresh=True) == {"peer": _read(2)}
     learner.stale = True  # what a failed round sets
-    assert learner.records(fresh=False) == {"peer": 3}
-    assert learner.records(fresh=False) == {"peer": 3}
+    assert learner.records(fresh=False) == {"peer": _read(3)}
+    assert learner.records(fresh=False) == {"peer": _read(3)}
     assert learner.board.reads == 3
 
 

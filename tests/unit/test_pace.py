@@ -140,12 +140,15 @@ def test_the_heartbeat_agrees_on_the_period_and_remembers_proposals_a_read_misse
     monkeypatch.setattr("p2p_diloco.progress.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("p2p_diloco.progress.get_dht_time", lambda: clock[0])
     full = {"me": rec(30.0), "a": rec(38.0), "b": rec(40.0), "c": rec(80.0)}
-    progress._agree_on_pace(full)
+    progress._remember(full)
+    progress._agree_on_pace()
     assert progress.pace.pending == (40.0, 1040.0)  # the upper median of 30, 38, 40, 80: 40
     # A read that misses two records (the upper median of what is left would be 30) changes nothing ...
     clock[0] += 5
-    progress._agree_on_pace({"me": rec(30.0), "a": rec(38.0)})
+    progress._remember({"me": rec(30.0), "a": rec(38.0)})
+    progress._agree_on_pace()
     assert progress.pace.pending == (40.0, 1040.0)
     # ... nor does one that says a learner is done; its proposal no longer counts: upper median of 30, 38, 40.
-    progress._agree_on_pace({**full, "c": rec(80.0, "done")})
+    progress._remember({**full, "c": rec(80.0, "done")})
+    progress._agree_on_pace()
     assert progress.pace.pending == (40.0, 1040.0)

@@ -122,10 +122,17 @@ def _parting_round(leaving: Leaving, rounds: Rounds, catch_up: CatchUp, frag: Fr
 
 
 def linger(leaving: Leaving, progress: Progress, version: int, seconds: float) -> None:
-    """Serve the final state while learners still training are behind us (bounded)."""
+    """Serve the final state while learners still training are behind us (bounded by ``seconds``).
+
+    Behind as the records remembered show them (:meth:`Progress.recently_training`), not as one read does: while
+    downloads fill a slow link, reads miss the records of the very learners downloading from us, and a learner that
+    left while they were behind let them commit versions of their own under numbers the swarm had used (a fork;
+    WAN benchmark, links 10 → 2 Mbit/s, 2026-12-03)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not leaving.stop.is_set():
-        behind = [p for p, r in progress.others(fresh=True).items() if r.status == "training" and r.version < version]
+        progress.records(fresh=True)
+        behind = [p for p, r in progress.recently_training().items()
+                  if p != progress.state.peer_id and r.version < version]
         if not behind:
             return
         leaving.stop.wait(1.0)

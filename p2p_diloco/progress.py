@@ -43,7 +43,7 @@ class Progress:
         self.faults: FaultPlan | None = None  # a test's plan: "lie ... with ahead" forges our record
         self.resources: Callable[[], dict[str, Any]] = dict  # the record's resource fields (metrics.resources)
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
-        # Trusted peer (ours included) → its last record that said training, and when a read showed it (monotonic).
+        # Peer (ours included) → its last record that said training, and when a read showed it (monotonic).
         self._training: dict[str, tuple[ProgressRecord, float]] = {}
         self.client = False  # we average as a client (p2p_diloco.reach): a group needs a reachable member
         self._only_clients = False
@@ -88,17 +88,20 @@ class Progress:
         """How many learners are training, ourselves always included (a majority quorum's base: learners done
         or gone join no round): those the records show training, remembered as :meth:`recently_training` says."""
         self.records(fresh=False)  # looked up afresh if none was read yet or a round failed since (stale)
-        return 1 + sum(peer != self.state.peer_id for peer in self.recently_training())
+        return 1 + sum(peer != self.state.peer_id for peer in self.recently_training(trusted_only=False))
 
-    def recently_training(self) -> dict[str, ProgressRecord]:
-        """The trusted learners (ours included) whose last record said training, seen by a read within the last
-        :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``). A read can miss records: while all-reduces fill
-        a slow link, lookups miss live learners' records for up to a minute (WAN benchmark at 2 Mbit/s with
-        ``record_ttl`` = 8 s, 2026-12-03: gaps of 16–57 s); counting only what one read showed let two learners
-        take the swarm for 3 and commit a version as a pair. A learner that died counts that much longer: rounds
-        need its share of the majority until then."""
+    def recently_training(self, trusted_only: bool = True) -> dict[str, ProgressRecord]:
+        """The learners (ours included) whose last record said training, seen by a read within the last
+        :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``); only the trusted ones unless ``trusted_only`` is
+        False. A read can miss records: while all-reduces fill a slow link, lookups miss live learners' records for
+        up to a minute (WAN benchmark at 2 Mbit/s with ``record_ttl`` = 8 s, 2026-12-03: gaps of 16–57 s); counting
+        only what one read showed let two learners take the swarm for 3 and commit a version as a pair. A learner
+        that died counts that much longer: rounds need its share of the majority until then. The majority's count
+        takes distrusted learners too: a peer whose state failed our verification (or a download the link cut,
+        before c2c5891) still trains and commits with others, and leaving it out let a count fall to a pair's."""
         now, horizon = time.monotonic(), self._memory
-        return {p: r for p, (r, seen) in list(self._training.items()) if now - seen <= horizon and self._trusted(p)}
+        return {p: r for p, (r, seen) in list(self._training.items())
+                if now - seen <= horizon and (not trusted_only or self._trusted(p))}
 
     @property
     def _memory(self) -> float:

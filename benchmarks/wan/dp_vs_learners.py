@@ -78,7 +78,7 @@ LEARNERS = [
     "averaging.compression=int4",
     "averaging.min_group_size=2", "averaging.target_group_size=4", "averaging.matchmaking_time=2.5",
     "averaging.request_timeout=1.0", "averaging.round_timeout=30.0", "averaging.allreduce_timeout=120.0",
-    "averaging.next_chunk_timeout=60.0", "network.record_ttl=8.0", "run.linger_seconds=20.0", "run.log_every=50",
+    "averaging.next_chunk_timeout=60.0", "network.record_ttl=8.0", "run.linger_seconds=300.0", "run.log_every=50",
 ]
 STARTED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*eval_loss [\d.]+ before training")
 REACHED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*global model eval_loss ([\d.]+) at version (\d+) "

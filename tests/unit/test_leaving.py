@@ -5,7 +5,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from p2p_diloco.parting import Leaving
+from p2p_diloco.parting import Leaving, linger
 from p2p_diloco.progress import Progress
 from p2p_diloco.records import ProgressRecord
 
@@ -41,6 +41,29 @@ def test_a_second_signal_or_no_budget_leaves_at_once():
     none.training = True
     none.stop.set()
     assert none()
+
+
+def test_a_finished_learner_serves_while_a_learner_behind_is_remembered(monkeypatch):
+    """Reads that miss a learner behind us (its records lost while it downloads over a slow link) do not end the
+    lingering; the learner catching up does, and so does the bound."""
+    def rec(version, status="training"):
+        return ProgressRecord(version, "a" * 64, 0, status)
+    reads = [{"me": rec(8, "done"), "behind": rec(6)}, {"me": rec(8, "done")}, {"me": rec(8, "done")},
+             {"me": rec(8, "done"), "behind": rec(8)}]
+    board = SimpleNamespace(read=lambda: reads.pop(0) if len(reads) > 1 else reads[0])
+    progress = Progress(board, SimpleNamespace(peer_id="me"), record_ttl=8.0)
+    leaving = _learner()
+    waits: list[float] = []
+    leaving.stop.wait = lambda seconds: waits.append(seconds) or False  # type: ignore[method-assign]
+    linger(leaving, progress, version=8, seconds=600.0)
+    assert len(waits) == 3 and reads == [{"me": rec(8, "done"), "behind": rec(8)}]  # caught up at the 4th read
+    # Bounded: a learner behind that never catches up (or died) holds us for ``seconds`` at most.
+    stuck = Progress(SimpleNamespace(read=lambda: {"behind": rec(6)}), SimpleNamespace(peer_id="me"), 8.0)
+    clock = [0.0]
+    monkeypatch.setattr("p2p_diloco.parting.time.monotonic", lambda: clock[0])
+    leaving.stop.wait = lambda seconds: clock.__setitem__(0, clock[0] + seconds) or False  # type: ignore[method-assign]
+    linger(leaving, stuck, version=8, seconds=30.0)
+    assert clock[0] == 30.0
 
 
 def _read(n: int) -> ProgressRecord:

@@ -1,6 +1,7 @@
 """The majority quorum (``averaging.quorum = "majority"``, docs/scale.md): a round commits only with more than half
 of the learners the swarm's records show training, so two disjoint groups never both commit one version. The
-group applies the lower median of the quorums its members gathered, so a lying minority cannot move it far."""
+group applies the upper median of the quorums its members gathered, so a lying minority cannot move it far, and a
+member that counted too few learners cannot let a pair commit."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +36,7 @@ def test_the_round_quorum_follows_the_learners_training():
     assert HivemindAveraging.round_quorum(fixed) == fixed.cfg.min_group_size
 
 
-def test_the_group_applies_the_lower_median_of_its_members_claims():
+def test_the_group_applies_the_upper_median_of_its_members_claims():
     assert group_quorum([{}, {}, {}], 2) == 2  # a fixed quorum: nobody claims one
     assert group_quorum([{"quorum": 9}] * 9, 2) == 9
     # one member of a fixed-quorum group claims a huge swarm: it cannot fail the rounds it joins
@@ -46,6 +47,9 @@ def test_the_group_applies_the_lower_median_of_its_members_claims():
     assert group_quorum([{"quorum": 1}, {"quorum": 1}, {"quorum": 9}, {"quorum": 9}, {"quorum": 9}], 2) == 9
     assert group_quorum([{"quorum": 5}, {"quorum": 5}, {"quorum": 5}, {"quorum": 10**5}, {"quorum": 10**5}], 2) == 5
     assert group_quorum([], 3) == 3
+    # a pair applies the larger claim: one member whose reads missed learners cannot let the pair commit alone
+    assert group_quorum([{"quorum": 2}, {"quorum": 3}], 2) == 3
+    assert group_quorum([{"quorum": 2}, {"quorum": 2}, {"quorum": 3}, {"quorum": 3}], 2) == 3
 
 
 @pytest.mark.parametrize("claim", [True, "9", 9.0, 0, -4, MAX_QUORUM + 1, None, [9]])
@@ -66,18 +70,20 @@ def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr("p2p_diloco.progress.time.monotonic", lambda: clock[0])
     progress.records(fresh=True)
-    # us, p1 and p5; p2 is done and p3 has left (neither joins a round); p4 is distrusted (it served a bad state)
-    assert progress.training_learners() == 3
-    # A read that misses p5's record (a partial DHT answer) does not lower the count for TRAINING_MEMORY ...
+    # us, p1, p4 and p5; p2 is done and p3 has left (neither joins a round). p4 is distrusted (it served a state that
+    # failed our verification): it still trains and commits with others, so it counts, but its proposals do not.
+    assert progress.training_learners() == 4
+    assert set(progress.recently_training()) == {me, "p1", "p5"}
+    # A read that misses p4's and p5's records (a partial DHT answer) does not lower the count for TRAINING_MEMORY ...
     reads.append({me: rec("training"), "p1": rec("training")})
     clock[0] += 10
     progress.records(fresh=True)
-    assert progress.training_learners() == 3
-    # ... after which p5 counts as gone; p1 saying it is done counts at once.
+    assert progress.training_learners() == 4
+    # ... after which they count as gone; p1 saying it is done counts at once.
     reads.append({me: rec("training"), "p1": rec("done")})
     clock[0] = 1000.0 + TRAINING_MEMORY - 5
     progress.records(fresh=True)
-    assert progress.training_learners() == 2  # p1 is done; p5, missed for almost TRAINING_MEMORY, still counts
+    assert progress.training_learners() == 3  # p1 is done; p4 and p5, missed for almost TRAINING_MEMORY, still count
     clock[0] += 10
     assert progress.training_learners() == 1
 

@@ -142,7 +142,7 @@ def test_a_download_cut_inside_a_tensor_is_a_broken_stream_not_a_malformed_state
     from hivemind.compression import serialize_torch_tensor
     from hivemind.utils.streaming import split_for_streaming
 
-    from p2p_diloco.averager import whole_tensor
+    from p2p_diloco.state_downloads import whole_tensor
 
     t = torch.arange(448 * 1792, dtype=torch.float32).reshape(448, 1792)
     parts = list(split_for_streaming(serialize_torch_tensor(t)))

@@ -38,6 +38,7 @@ RUNG = math.sqrt(2)  # periods are floor · RUNG^k: learners whose proposals dif
 DOWN = 0.5  # the period goes down only once the median proposal is below this fraction of it
 MAX_PERIOD = 3600.0  # the longest period (a proposal above it is clamped)
 SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
+MIN_NOTICE = 1.0  # seconds: a change another learner announced is taken only if it is at least this far away
 
 
 def rung(seconds: float, floor: float) -> float:
@@ -119,16 +120,36 @@ class Pace:
             tau = min(tau, self.max_overlap)
         return max(1, tau)
 
-    def update(self, proposals: Iterable[float], now: float) -> tuple[float, float] | None:
+    def update(self, proposals: Iterable[float], now: float,
+               announced: Iterable[tuple[float, float]] = ()) -> tuple[float, float] | None:
         """Agree on the period with the records just read (``now``: DHT time); returns ``(period, at)`` when a
-        change is decided (it applies from ``at``; :meth:`due_change` hands it to the schedule)."""
+        change is decided or moved earlier (it applies from ``at``; :meth:`due_change` hands it to the schedule).
+
+        ``announced``: the changes other learners' records say they decided, ``(period, at)``. Learners that decide
+        the same change a few seconds apart can fall on both sides of the time that fixes its boundary, and would
+        switch one period apart (seen once in the WAN benchmark, 2026-12-03): a learner with a change pending takes
+        the earliest time announced for the same change, provided it is a boundary that change could have (a
+        multiple of the larger period) and at least :data:`MIN_NOTICE` s away. A liar can only move it to such a
+        boundary, where an honest learner's decision could have put it.
+        """
         with self._lock:
             current = self.pending[0] if self.pending is not None else self.period
             new = agreed_period(proposals, current, self.floor)
-            if new == current:
+            if new != current:
+                self.pending = (new, switch_time(current, new, now, self.lead))
+                decided = True
+            else:
+                decided = False
+            if self.pending is None:
                 return None
-            self.pending = (new, switch_time(current, new, now, self.lead))
-            return self.pending
+            period, at = self.pending
+            step = max(self.period, period)
+            earlier = [a for p, a in announced if p == period and now + MIN_NOTICE <= a < at
+                       and abs(a / step - round(a / step)) < 1e-6]
+            if earlier:
+                self.pending = (period, min(earlier))
+                return self.pending
+            return self.pending if decided else None
 
     def due_change(self, now: float) -> tuple[float, float] | None:
         """The decided change of period, once ``now`` (DHT time) has reached its time; it is then in use."""

@@ -71,7 +71,12 @@ class Progress:
         versions = tuple(e["version"] for e in entries)
         if self.faults and self.faults.lying("ahead", min(versions) + 1):
             versions = tuple(v + LIE_VERSIONS["ahead"] for v in versions)
-        proposal: dict[str, Any] = {"period": self.pace.proposal()} if self.pace is not None else {}
+        proposal: dict[str, Any] = {}
+        if self.pace is not None:
+            proposal["period"] = self.pace.proposal()
+            pending = self.pace.pending
+            if pending is not None:
+                proposal["switch_period"], proposal["switch_at"] = pending
         self.board.publish(ProgressRecord(min(versions), meta["sha256"], sum(e["tokens"] for e in entries),
                                           self.status, versions=versions, shas=tuple(e["sha256"] for e in entries),
                                           **self.resources(), **proposal))
@@ -158,8 +163,10 @@ class Progress:
     def _agree_on_pace(self) -> None:
         """The period the training learners' records propose (ours among them; distrusted peers' left out)."""
         assert self.pace is not None
-        proposals = [r.period for r in self.recently_training().values()]  # a read may miss records: remembered
-        change = self.pace.update(proposals, get_dht_time())
+        training = self.recently_training().values()  # a read may miss records: remembered
+        proposals = [r.period for r in training]
+        announced = [(r.switch_period, r.switch_at) for r in training if r.switch_period > 0]
+        change = self.pace.update(proposals, get_dht_time(), announced)
         if change is not None:
             period, at = change
             logger.info(f"round period {self.pace.period:.1f} s → {period:.1f} s from {at - get_dht_time():.0f} s "

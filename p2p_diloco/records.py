@@ -67,6 +67,8 @@ class ProgressRecord:
     reach: str = ""  # how peers reach it: direct, relay or client (p2p_diloco.reach); "" unknown
     address: str = ""  # its first visible multiaddr, as it says; "" unknown
     period: float = 0.0  # the round period it proposes (sync.pace = auto, p2p_diloco/pace.py); 0 none
+    switch_period: float = 0.0  # a change of period it has decided (0: none) ...
+    switch_at: float = 0.0  # ... and the DHT time from which it applies
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
@@ -134,7 +136,7 @@ def _resources(obj: dict) -> dict:
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62):
             raise RecordError(f"bad {name} {value!r}")
         out[name] = value
-    for name in ("tokens_per_second", "uptime", "period"):
+    for name in ("tokens_per_second", "uptime", "period", "switch_period", "switch_at"):
         value = obj.get(name, 0.0)
         if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
                 and 0 <= value < 1e15):

@@ -49,6 +49,22 @@ def test_a_change_takes_effect_at_the_same_time_for_learners_that_decide_it_a_fe
     assert switch_time(40.0, 20.0, now=1030.0, lead=8.0) == 1040.0
 
 
+def test_a_learner_that_decided_a_change_late_takes_the_earliest_boundary_announced_for_it():
+    early, late = _pace(period=20.0), _pace(period=20.0)
+    assert early.update([40.0], now=1031.0) == (40.0, 1040.0)
+    assert late.update([40.0], now=1033.0) == (40.0, 1080.0)  # now + lead fell past 1040: one period later
+    # Announcements that do not qualify change nothing: another period, a time that is not a boundary of this
+    # change, one too close to be taken, one later than ours.
+    for bad in [(56.569, 1040.0), (40.0, 1050.0), (40.0, 1033.5), (40.0, 1120.0)]:
+        assert late.update([40.0], now=1033.0, announced=[bad]) is None
+        assert late.pending == (40.0, 1080.0)
+    assert late.update([40.0], now=1034.0, announced=[(40.0, 1040.0), (40.0, 1120.0)]) == (40.0, 1040.0)
+    assert late.update([40.0], now=1035.0, announced=[(40.0, 1040.0)]) is None  # already taken
+    # A learner that has not decided the change takes nobody's word for it.
+    undecided = _pace(period=20.0)
+    assert undecided.update([20.0], now=1034.0, announced=[(40.0, 1040.0)]) is None and undecided.pending is None
+
+
 def test_proposal_covers_h_steps_and_one_and_a_half_rounds_per_fragment_slot():
     p = _pace()
     assert p.proposal() == 0.0  # nothing measured: no proposal
@@ -108,15 +124,17 @@ def test_the_clock_follows_a_decided_change_at_its_time_and_stays_aligned():
         assert min(b - a for a, b in zip(times, times[1:], strict=False)) >= 20.0 / 2
 
 
-def test_records_carry_the_proposal_and_refuse_a_bad_one():
-    r = ProgressRecord(1, "a" * 64, 10, period=24.5)
-    assert ProgressRecord.decode(r.encode()).period == 24.5
+def test_records_carry_the_proposal_and_the_decided_change_and_refuse_bad_ones():
+    r = ProgressRecord(1, "a" * 64, 10, period=24.5, switch_period=40.0, switch_at=1040.0)
+    back = ProgressRecord.decode(r.encode())
+    assert (back.period, back.switch_period, back.switch_at) == (24.5, 40.0, 1040.0)
     import msgpack
 
-    for bad in (-1.0, float("nan"), "20", True):
-        raw = msgpack.packb({**msgpack.unpackb(r.encode()), "period": bad})
-        with pytest.raises(RecordError, match="period"):
-            ProgressRecord.decode(raw)
+    for field in ("period", "switch_period", "switch_at"):
+        for bad in (-1.0, float("nan"), "20", True):
+            raw = msgpack.packb({**msgpack.unpackb(r.encode()), field: bad})
+            with pytest.raises(RecordError, match=field):
+                ProgressRecord.decode(raw)
 
 
 def test_pace_auto_needs_the_clock_schedule():
@@ -150,5 +168,34 @@ def test_the_heartbeat_agrees_on_the_period_and_remembers_proposals_a_read_misse
     assert progress.pace.pending == (40.0, 1040.0)
     # ... nor does one that says a learner is done; its proposal no longer counts: upper median of 30, 38, 40.
     progress._remember({**full, "c": rec(80.0, "done")})
+    progress._agree_on_pace()
+    assert progress.pace.pending == (40.0, 1040.0)
+
+
+def test_records_carry_the_decided_change_and_the_heartbeat_takes_an_earlier_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from p2p_diloco.progress import Progress
+
+    published = []
+    board = SimpleNamespace(read=dict, publish=published.append)
+    served = SimpleNamespace(metadata={"sha256": "a" * 64, "fragments": [{"version": 1, "sha256": "a" * 64,
+                                                                          "tokens": 0}]})
+    progress = Progress(board, SimpleNamespace(peer_id="me", served=served), record_ttl=8.0)
+    progress.pace = _pace(period=20.0)
+    clock = [1033.0]
+    monkeypatch.setattr("p2p_diloco.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("p2p_diloco.progress.get_dht_time", lambda: clock[0])
+
+    def rec(**kw):
+        return ProgressRecord(1, "a" * 64, 0, "training", versions=(1,), shas=("a" * 64,), period=40.0, **kw)
+
+    progress._remember({"me": rec(), "a": rec()})
+    progress._agree_on_pace()
+    assert progress.pace.pending == (40.0, 1080.0)
+    progress.publish()
+    assert (published[-1].switch_period, published[-1].switch_at) == (40.0, 1080.0)
+    clock[0] += 1
+    progress._remember({"me": rec(), "a": rec(switch_period=40.0, switch_at=1040.0)})
     progress._agree_on_pace()
     assert progress.pace.pending == (40.0, 1040.0)

@@ -80,6 +80,7 @@ LEARNERS = [
     "averaging.request_timeout=1.0", "averaging.round_timeout=30.0", "averaging.allreduce_timeout=120.0",
     "averaging.next_chunk_timeout=60.0", "network.record_ttl=8.0", "run.linger_seconds=300.0", "run.log_every=50",
 ]
+NO_GROUP = re.compile(r"outer round not committed \(.*(no group formed|could not find a group)")
 STARTED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*eval_loss [\d.]+ before training")
 REACHED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*global model eval_loss ([\d.]+) at version (\d+) "
                      r"\(target [\d.]+: reached\)")
@@ -245,7 +246,9 @@ def learners_result(d: Path, rate: str) -> dict:
         "rate": rate, "period_seconds": None if periods else period_seconds(rate), "periods_taken": periods,
         "rounds_committed": len(re.findall(r"outer round committed", text)),
         "rounds_not_committed": len(re.findall(r"outer round not committed", text)),
-        "rounds_without_group": len(re.findall(r"outer round not committed \(.*no group formed", text)),
+        # Ours says "no group formed" when the round window closes empty; hivemind's matchmaking, "could not find a
+        # group" (the only one the runs of 2026-12-03 logged; this count missed it until 2026-12-03).
+        "rounds_without_group": len(re.findall(NO_GROUP, text)),
         "slots_skipped": len(re.findall(r"skipped fragment \d+'s slot", text)),
         "time_to_target_seconds": first[1] if first else None,
         "startup_seconds": min(started) if started else None,

@@ -9,7 +9,8 @@ With ``sync.pace = "auto"`` each learner measures, and the swarm agrees on T thr
     proposal_i = max(floor, H · t_step_i, SAFETY · P · t_round_i)      SAFETY = 1.5
     T          = the smallest rung floor · √2^k at or above the upper median of the training learners' proposals,
                  kept while that median stays above half of it (hysteresis), changed at the next multiple of
-                 the larger period that is at least ``lead`` seconds away
+                 the larger period that is at least ``lead`` seconds away; a change decided but not yet in
+                 use is only ever revised upwards (or cancelled, when the period in use is needed again)
     τ_i        = clamp(ceil(OVERLAP · t_round_i / t_step_i), 1, T / (P · t_step_i) − 1)
 
 t_step_i and t_round_i are exponential moving averages of learner i's own inner steps and of its rounds that
@@ -133,13 +134,19 @@ class Pace:
         boundary, where an honest learner's decision could have put it.
         """
         with self._lock:
-            current = self.pending[0] if self.pending is not None else self.period
-            new = agreed_period(proposals, current, self.floor)
-            if new != current:
-                self.pending = (new, switch_time(current, new, now, self.lead))
-                decided = True
-            else:
-                decided = False
+            new = agreed_period(proposals, self.period, self.floor)
+            decided = False
+            if self.pending is None:
+                if new != self.period:
+                    self.pending, decided = (new, switch_time(self.period, new, now, self.lead)), True
+            elif new > self.pending[0]:  # more time than the pending change gives: up at once, or cancel a cut
+                if new == self.period:
+                    self.pending = None
+                    return None
+                self.pending, decided = (new, switch_time(self.period, new, now, self.lead)), True
+            # Otherwise a pending change stands until it applies: revised only upwards. (Revising it at every read,
+            # proposals measured under start-up load moved it 40 → 20 → 28.3 → 40 s within a minute, each time
+            # with another switch time; WAN benchmark at 20 Mbit/s, 2026-12-03.)
             if self.pending is None:
                 return None
             period, at = self.pending

@@ -49,6 +49,16 @@ def test_a_change_takes_effect_at_the_same_time_for_learners_that_decide_it_a_fe
     assert switch_time(40.0, 20.0, now=1030.0, lead=8.0) == 1040.0
 
 
+def test_a_pending_change_is_revised_only_upwards_or_cancelled():
+    p = _pace(period=60.0)
+    change = p.update([25.0], now=1000.0)
+    assert change is not None and change[0] == 28.284
+    assert p.update([18.0], now=1003.0) is None and p.pending == change  # lower proposals: the change stands
+    assert p.update([45.0], now=1006.0) is None and p.pending is None  # the period in use is needed again: cancelled
+    assert p.update([100.0], now=1009.0) == (113.137, switch_time(60.0, 113.137, 1009.0, 8.0))  # up
+    assert p.update([130.0], now=1012.0) == (160.0, switch_time(60.0, 160.0, 1012.0, 8.0))  # further up at once
+
+
 def test_a_learner_that_decided_a_change_late_takes_the_earliest_boundary_announced_for_it():
     early, late = _pace(period=20.0), _pace(period=20.0)
     assert early.update([40.0], now=1031.0) == (40.0, 1040.0)

@@ -13,8 +13,9 @@ With ``sync.pace = "auto"`` each learner measures, and the swarm agrees on T thr
                  use is only ever revised upwards (or cancelled, when the period in use is needed again)
     τ_i        = clamp(ceil(OVERLAP · t_round_i / t_step_i), 1, T / (P · t_step_i) − 1)
 
-t_step_i and t_round_i are exponential moving averages of learner i's own inner steps and of its rounds that
-formed a group (matchmaking, all-reduce and certificate). The floor is what the configuration needs
+t_step_i is an exponential moving average of learner i's own inner steps; t_round_i the upper median of its last
+:data:`ROUNDS_KEPT` rounds that formed a group (matchmaking, all-reduce and certificate), so that one slow round
+does not move the period up a rung that the hysteresis then keeps. The floor is what the configuration needs
 (a slot per fragment longer than twice the matchmaking time). Every learner reads nearly the same records
 and computes the same T from them, and a change takes effect at a time that depends only on the two
 periods, so slots stay aligned; a learner whose read differs is misaligned until its next read.
@@ -28,6 +29,7 @@ import logging
 import math
 import statistics
 import threading
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -38,7 +40,8 @@ OVERLAP = 1.25  # τ covers this many expected rounds of inner steps
 RUNG = math.sqrt(2)  # periods are floor · RUNG^k: learners whose proposals differ a little agree on one rung
 DOWN = 0.5  # the period goes down only once the median proposal is below this fraction of it
 MAX_PERIOD = 3600.0  # the longest period (a proposal above it is clamped)
-SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
+SMOOTHING = 0.3  # weight of the newest inner step in its moving average
+ROUNDS_KEPT = 5  # t_round is the upper median of this many latest rounds
 MIN_NOTICE = 1.0  # seconds: a change another learner announced is taken only if it is at least this far away
 
 
@@ -82,6 +85,7 @@ class Pace:
     t_step: float | None = None
     t_round: float | None = None
     pending: tuple[float, float] | None = None  # (period, DHT time from which it applies)
+    _rounds: deque[float] = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT), repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @staticmethod
@@ -93,10 +97,18 @@ class Pace:
             self.t_step = self._ema(self.t_step, seconds)
 
     def observe_round(self, seconds: float, group_size: int) -> None:
-        """A finished round: counted only when a group formed (a round that found none measures the timeout)."""
+        """A finished round: counted only when a group formed (a round that found none measures the timeout).
+
+        t_round is the upper median of the latest rounds, not a moving average: with a moving average (weight 0.3)
+        one round twice as long as the others raises a learner's proposal by 30 %, which can take the period a rung
+        up, and the hysteresis keeps a rung until the proposals fall below half of it (WAN benchmark, 2026-12-03:
+        a first round of 23 s under start-up load took the period to 80 s on a 10 Mbit/s link, where it stayed
+        until the proposals came below 40 s).
+        The upper median moves only when most of the latest rounds do, and errs long while there are few."""
         if group_size >= 2 and math.isfinite(seconds) and seconds >= 0:
             with self._lock:
-                self.t_round = self._ema(self.t_round, seconds)
+                self._rounds.append(seconds)
+                self.t_round = statistics.median_high(self._rounds)
 
     def proposal(self) -> float:
         """This learner's proposed period (0.0 before it has measured an inner step)."""

@@ -357,10 +357,10 @@ def learners_only(a: argparse.Namespace, work: Path, change: tuple[str, float] |
               f"without a group), {ln['slots_skipped']} slots skipped; periods {ln['periods_taken']}; "
               f"compute share {ln['utilization']:.1%}; speed-up "
               + (f"{rows[-1]['speedup']:.1f}×" if rows[-1]["speedup"] else "–"), flush=True)
-    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
-           "target_loss": a.target_loss, "model_overrides": MODEL, "learner_overrides": LEARNERS, "rows": rows}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+        res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
+               "target_loss": a.target_loss, "model_overrides": MODEL, "learner_overrides": LEARNERS, "rows": rows}
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")  # after every rate: a sweep cut short keeps its rows
     print(f"results in {a.json}; logs in {work}")
     return 0
 

@@ -6,7 +6,7 @@ import pytest
 
 from p2p_diloco.config import ConfigError, load_learner_config
 from p2p_diloco.fragments import ClockSchedule, build_fragments
-from p2p_diloco.pace import MAX_PERIOD, SAFETY, Pace, agreed_period, rung, switch_time
+from p2p_diloco.pace import MAX_PERIOD, ROUNDS_KEPT, SAFETY, Pace, agreed_period, rung, switch_time
 from p2p_diloco.records import ProgressRecord, RecordError
 
 
@@ -86,6 +86,26 @@ def test_proposal_covers_h_steps_and_one_and_a_half_rounds_per_fragment_slot():
     for _ in range(20):
         p.observe_round(12.0, group_size=4)
     assert math.isclose(p.proposal(), SAFETY * 2 * 12.0, rel_tol=1e-6)  # link-bound: 1.5 rounds per slot
+
+
+def test_one_slow_round_does_not_move_the_proposal_most_of_the_latest_rounds_do():
+    p = _pace(t_step=0.1)
+    for _ in range(10):
+        p.observe_round(20.0, group_size=4)
+    base = p.proposal()
+    assert math.isclose(base, SAFETY * 2 * 20.0)
+    p.observe_round(40.0, group_size=4)  # a certificate that waited for a sketch, a download sharing the link
+    p.observe_round(45.0, group_size=4)
+    assert p.proposal() == base  # a moving average (weight 0.3) would have proposed 51 % more
+    p.observe_round(42.0, group_size=4)  # three of the last five: the link is slower
+    assert math.isclose(p.proposal(), SAFETY * 2 * 40.0)
+    for _ in range(ROUNDS_KEPT):
+        p.observe_round(10.0, group_size=4)
+    assert math.isclose(p.proposal(), SAFETY * 2 * 10.0)  # and faster again once the latest rounds are
+    first = _pace(t_step=0.1)
+    first.observe_round(23.0, group_size=4)  # few rounds yet: the upper median errs long
+    first.observe_round(6.0, group_size=4)
+    assert first.t_round == 23.0
 
 
 def test_overlap_covers_the_expected_round_within_the_slot():

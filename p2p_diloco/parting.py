@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from hivemind.utils import get_dht_time
 
@@ -121,18 +122,21 @@ def _parting_round(leaving: Leaving, rounds: Rounds, catch_up: CatchUp, frag: Fr
             return
 
 
-def linger(leaving: Leaving, progress: Progress, version: int, seconds: float) -> None:
-    """Serve the final state while learners still training are behind us (bounded by ``seconds``).
+def linger(leaving: Leaving, progress: Progress, versions: Sequence[int], seconds: float) -> None:
+    """Serve the final state while learners still training are behind us on any fragment (``versions``: ours, one
+    per fragment; bounded by ``seconds``).
 
     Behind as the records remembered show them (:meth:`Progress.recently_training`), not as one read does: while
     downloads fill a slow link, reads miss the records of the very learners downloading from us, and a learner that
     left while they were behind let them commit versions of their own under numbers the swarm had used (a fork;
-    WAN benchmark, links 10 → 2 Mbit/s, 2026-12-03)."""
+    WAN benchmark, links 10 → 2 Mbit/s, 2026-12-03). Behind on any fragment, not by the oldest one: a learner at
+    versions [8, 8] is behind us at [8, 9], and one that was downloading fragment 1 from the last learners to leave
+    was left alone with a stream cut mid-tensor, unable to commit or catch up (WAN benchmark, 10 Mbit/s, b668740)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not leaving.stop.is_set():
         progress.records(fresh=True)
         behind = [p for p, r in progress.recently_training().items()
-                  if p != progress.state.peer_id and r.version < version]
+                  if p != progress.state.peer_id and any(r.fragment_version(f) < v for f, v in enumerate(versions))]
         if not behind:
             return
         leaving.stop.wait(1.0)

@@ -55,15 +55,33 @@ def test_a_finished_learner_serves_while_a_learner_behind_is_remembered(monkeypa
     leaving = _learner()
     waits: list[float] = []
     leaving.stop.wait = lambda seconds: waits.append(seconds) or False  # type: ignore[method-assign]
-    linger(leaving, progress, version=8, seconds=600.0)
+    linger(leaving, progress, versions=[8], seconds=600.0)
     assert len(waits) == 3 and reads == [{"me": rec(8, "done"), "behind": rec(8)}]  # caught up at the 4th read
     # Bounded: a learner behind that never catches up (or died) holds us for ``seconds`` at most.
     stuck = Progress(SimpleNamespace(read=lambda: {"behind": rec(6)}), SimpleNamespace(peer_id="me"), 8.0)
     clock = [0.0]
     monkeypatch.setattr("p2p_diloco.parting.time.monotonic", lambda: clock[0])
     leaving.stop.wait = lambda seconds: clock.__setitem__(0, clock[0] + seconds) or False  # type: ignore[method-assign]
-    linger(leaving, stuck, version=8, seconds=30.0)
+    linger(leaving, stuck, versions=[8], seconds=30.0)
     assert clock[0] == 30.0
+
+
+def test_a_learner_behind_on_one_fragment_is_behind():
+    """Behind on any fragment, not by the oldest one (``version``, the minimum): at [8, 8] against our [8, 9], a
+    learner still needs fragment 1 from us (WAN benchmark, 10 Mbit/s: the last learners left one so)."""
+    def rec(versions):
+        return ProgressRecord(min(versions), "a" * 64, 0, "training", versions=tuple(versions))
+    reads = [{"behind": rec([8, 8])}, {"behind": rec([8, 8])}, {"behind": rec([8, 9])}]
+    progress = Progress(SimpleNamespace(read=lambda: reads.pop(0) if len(reads) > 1 else reads[0]),
+                        SimpleNamespace(peer_id="me"), record_ttl=8.0)
+    leaving = _learner()
+    waits: list[float] = []
+    leaving.stop.wait = lambda seconds: waits.append(seconds) or False  # type: ignore[method-assign]
+    linger(leaving, progress, versions=[8, 9], seconds=600.0)
+    assert len(waits) == 2  # left once the record said [8, 9]
+    ahead = Progress(SimpleNamespace(read=lambda: {"ahead": rec([9, 9])}), SimpleNamespace(peer_id="me"), 8.0)
+    linger(leaving, ahead, versions=[8, 9], seconds=600.0)
+    assert len(waits) == 2  # nobody behind: no wait
 
 
 def _read(n: int) -> ProgressRecord:

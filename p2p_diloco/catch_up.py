@@ -72,7 +72,7 @@ class CatchUp:
         # After a state is adopted or merged (the learner checkpoints, so that a kill does not redo it)
         self.on_adopt = on_adopt or (lambda: None)
         self.download: Download | None = None
-        self.done_ahead = 0  # newest version seen in a peer that finished ("done")
+        self.done_at: list[int] = [0] * len(state.states)  # per fragment: newest version a finished peer held
         self.swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
 
     def downloading(self, fragment: int) -> bool:
@@ -132,7 +132,9 @@ class CatchUp:
         """
         records = self.progress.others(fresh)
         live = {p: r for p, r in records.items() if r.status != "left"}
-        self.done_ahead = max([self.done_ahead] + [r.version for r in live.values() if r.status == "done"])
+        for r in live.values():
+            if r.status == "done":
+                self.done_at = [max(v, r.fragment_version(f)) for f, v in enumerate(self.done_at)]
         # A client or relayed learner (p2p_diloco.reach) serves no state: what its record shows is held by a reachable
         # peer too, or by nobody who can serve it (a client keeps no merge that no such peer signed, see _reconcile).
         ahead, siblings, fragments = self._compare({p: r for p, r in live.items() if reduces_and_serves(r.reach)})
@@ -171,12 +173,15 @@ class CatchUp:
                 f"the swarm already finished at version {max(finished)} and no running peer serves that "
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
-        if self.cfg.run.stop_at_eval_loss is not None and self.done_ahead > version and not live:
+        # Ahead on any fragment, not by the oldest one: at [8, 8] against finished peers' [8, 9] we are behind
+        # (WAN benchmark at 10 Mbit/s on b668740: a learner so left trained alone until the benchmark's timeout).
+        done_ahead = any(v > s.version for v, s in zip(self.done_at, self.state.states, strict=True))
+        if self.cfg.run.stop_at_eval_loss is not None and done_ahead and not live:
             # Peers stopped at the target loss ahead of us and have left while we were behind (say,
             # mid-download over a slow link): nobody is left to merge with or to serve the state, so
             # we stop too instead of training alone. Our local progress is in the checkpoint.
             self.swarm_gone = True
-            logger.warning(f"the swarm reached the target at version {self.done_ahead} and left while we were "
+            logger.warning(f"the swarm reached the target at fragment versions {self.done_at} and left while we were "
                            "behind; stopping too (local progress is in the checkpoint)")
 
     def fetch(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None,

@@ -103,6 +103,21 @@ def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
     assert behind.peers == ["peer"] and behind.fragments == [0, 1] and not catch_up.swarm_gone
     catch_up.progress.board.records = {"peer": ProgressRecord(9, "0" * 64, 10, "left")}
     assert catch_up.behind().fragments == [] and catch_up.swarm_gone
+    # Behind on one fragment only (the oldest fragment's version the same: 8): stops too.
+    done_8_9 = ProgressRecord(8, "0" * 64, 10, "done", versions=(8, 9), shas=("a" * 64, "b" * 64))
+    ours_8_8 = catch_up_with({"peer": done_8_9})
+    ours_8_8.state.states[0].version = ours_8_8.state.states[1].version = 8
+    ours_8_8.behind()
+    ours_8_8.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
+    ours_8_8.behind()
+    assert ours_8_8.done_at == [8, 9] and ours_8_8.swarm_gone
+    # Level with the finished peers on every fragment: nothing to stop for.
+    level = catch_up_with({"peer": done_8_9})
+    level.state.states[0].version, level.state.states[1].version = 8, 9
+    level.behind()
+    level.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
+    level.behind()
+    assert level.done_at == [8, 9] and not level.swarm_gone
     # Without a target loss, a learner left alone trains on (the others may have been interrupted).
     alone = catch_up_with({"peer": ahead}, stop_at=None)
     alone.behind()

@@ -175,7 +175,7 @@ class CatchUp:
             )
         # Ahead on any fragment, not by the oldest one: at [8, 8] against finished peers' [8, 9] we are behind
         # (WAN benchmark at 10 Mbit/s on b668740: a learner so left trained alone until the benchmark's timeout).
-        done_ahead = any(v > s.version for v, s in zip(self.done_at, self.state.states, strict=True))
+        done_ahead = any(d > v for d, v in zip(self.done_at, self.state.versions, strict=True))
         if self.cfg.run.stop_at_eval_loss is not None and done_ahead and not live:
             # Peers stopped at the target loss ahead of us and have left while we were behind (say,
             # mid-download over a slow link): nobody is left to merge with or to serve the state, so

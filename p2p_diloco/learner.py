@@ -93,8 +93,7 @@ class Learner:
                     logger.info(f"reached version {p.state.version}; a client serves no state: leaving")
                 else:
                     logger.info(f"reached version {p.state.version}; serving state to learners still behind")
-                    linger(self.leaving, p.progress, [f.version for f in p.state.states],
-                           self.cfg.run.linger_seconds)
+                    linger(self.leaving, p.progress, p.state.versions, self.cfg.run.linger_seconds)
             return self.summary()
         finally:
             self._shutdown()

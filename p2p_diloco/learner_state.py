@@ -107,9 +107,14 @@ class LearnerState:
             self.pin(s)
 
     @property
+    def versions(self) -> list[int]:
+        """Each fragment's version, in fragment order."""
+        return [s.version for s in self.states]
+
+    @property
     def version(self) -> int:
         """The oldest fragment's version: the learner's round number."""
-        return min((s.version for s in self.states), default=0)
+        return min(self.versions, default=0)
 
     def local(self, fragment: Fragment) -> list[torch.Tensor]:
         """θ_f: the local parameters of one fragment (views, trained in place)."""

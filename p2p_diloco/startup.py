@@ -293,7 +293,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
         data.sampler.cursor = cursor
     logger.info(f"checkpoints in {ckpt_dir}; data shard {data.shard}/{cfg.data.num_shards}")
     audit = Audit.open(ckpt_dir, key, state.peer_id, cfg.run.audit_sign_every, lineage=lineage,
-                       shard=data.shard, versions=[s.version for s in state.states], checkpoint=payload is not None)
+                       shard=data.shard, versions=state.versions, checkpoint=payload is not None)
     closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
     progress.audit, progress.metrics, audit.on_record = audit, metrics, metrics.audited
     progress.traffic = functools.partial(read_traffic, dht)

@@ -210,11 +210,6 @@ class SyncConfig(_Section):
                              "agree on the period through their records from their measured step and round times, "
                              "and each sets τ to cover its expected round, at most overlap_steps when that is "
                              "above 0 (p2p_diloco/pace.py, docs/design.md \"Pace from measurements\")")
-    max_steps_per_round: int | None = Field(
-        None, ge=1, description="clock schedule: when a fragment's next outer gradient already carries this many "
-                                "inner steps, training pauses until that fragment's next slot starts its round; "
-                                "bounds the steps one outer step carries when the link sets a long period "
-                                "(docs/design.md \"A bound on the steps an outer step carries\"). None: no bound")
     max_wait_seconds: float | None = Field(
         30.0, gt=0.0, description="with overlap (τ > 0): how long a learner waits at τ for a round that has not ended "
                                   "before it trains on; the round's result is applied when it ends. None = wait for it"
@@ -316,9 +311,6 @@ class LearnerConfig(_Section):
                              f"({self.averaging.matchmaking_time}s) so that one round ends before the next")
         if self.sync.pace == "auto" and self.sync.schedule != "clock":
             raise ValueError("sync.pace = auto needs sync.schedule = clock (it sets the clock's period)")
-        if self.sync.max_steps_per_round is not None and self.sync.schedule != "clock":
-            raise ValueError("sync.max_steps_per_round needs sync.schedule = clock (on the steps schedule a "
-                             "fragment's rounds are H steps apart)")
         if p > 1 and tau >= h // p:
             # At most one round in flight: a fragment's result is applied before the next one starts.
             raise ValueError(f"sync.overlap_steps ({tau}) must be below inner.steps_per_outer / sync.fragments "

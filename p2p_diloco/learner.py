@@ -4,7 +4,6 @@ The loop (:meth:`Learner.run`), top to bottom::
 
     set up (startup.py) → download the newest global state if the swarm is ahead (catch_up.py)
     repeat until every fragment's global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
-        with sync.max_steps_per_round: pause while a fragment's unsent steps reach it (rounds.py)
         one inner step on the local shard, on run.device (trainer.py); in a torchrun unit, every worker
         takes it on its own part of the shard, in step with this one, rank 0 (unit.py)
         rounds.tick(): apply a round's result that is due, adopt downloads, start due fragments (rounds.py)
@@ -106,10 +105,7 @@ class Learner:
         self._loop_started = time.perf_counter()
         losses: list[float] = []
         t.meter.reset()
-        while True:
-            p.rounds.pause_at_the_bound(lambda: self.stop.is_set() or self.finished())
-            if not self.unit.sync(go=not self.stop.is_set() and not self.finished()):
-                break
+        while self.unit.sync(go=not self.stop.is_set() and not self.finished()):
             losses.append(self._inner_step())
             p.rounds.tick()
             if c.inner_steps % cfg.run.log_every == 0:

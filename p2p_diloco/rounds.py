@@ -100,52 +100,13 @@ class Rounds:
         if self.pace is not None:
             self.pace.observe_step(seconds)
 
-    def tick(self, idle: bool = False) -> None:
-        """After each inner step: apply a due result, adopt downloads, start the rounds that are due.
-        ``idle``: no inner step is coming (:meth:`pause_at_the_bound`), so a round that has ended is
-        applied now rather than τ steps after it started."""
-        task = self.inflight
-        if task is not None and (self.state.counters.inner_steps >= task.apply_at or idle and not task.running()):
+    def tick(self) -> None:
+        """After each inner step: apply a due result, adopt downloads, start the rounds that are due."""
+        if self.inflight is not None and self.state.counters.inner_steps >= self.inflight.apply_at:
             self.finish()
         self.catch_up.poll(busy=self.inflight.fragment.index if self.inflight is not None else None)
         self.poll_detached()
         self.sync_due_fragments()
-
-    def carried(self, fragment: int) -> int:
-        """Inner steps the next outer gradient of ``fragment`` carries: those not merged, less those a round
-        in flight (or detached) already sent."""
-        sent = sum(t.steps for t in (self.inflight, self.detached) if t is not None and t.fragment.index == fragment)
-        return self.state.counters.steps_since_merge[fragment] - sent
-
-    def at_the_bound(self) -> list[int]:
-        """The fragments whose next outer gradient carries ``sync.max_steps_per_round`` steps (clock schedule;
-        none without the bound or at the target version)."""
-        bound = self.cfg.sync.max_steps_per_round
-        if bound is None or self.clock is None:
-            return []
-        return [f for f in range(len(self.state.fragments)) if not self.at_target(f) and self.carried(f) >= bound]
-
-    def pause_at_the_bound(self, should_stop: Callable[[], bool], poll: float = 0.05) -> float:
-        """Before an inner step: while a fragment is :meth:`at_the_bound`, train no further and tick the rounds
-        (downloads, due slots, results) until its next slot starts its round; returns the seconds paused.
-
-        When the link sets a long period, every extra step widens the gap between the learners' models
-        that one outer step must close, and the outer optimizer (tuned for about H steps) overshoots
-        (docs/design.md, "A bound on the steps an outer step carries"). Each pause ends at the
-        fragment's next slot; a round that fails gives its steps back, and the slot after it is waited
-        for in the same way."""
-        held = self.at_the_bound()
-        if not held:
-            return 0.0
-        logger.info(f"fragment(s) {held}: {self.cfg.sync.max_steps_per_round} inner steps not yet sent; training "
-                    "pauses until the next slot")
-        started = time.perf_counter()
-        while self.at_the_bound() and not should_stop():
-            time.sleep(poll)
-            self.tick(idle=True)
-        paused = time.perf_counter() - started
-        self.state.counters.wait_seconds += paused
-        return paused
 
     def drain(self) -> None:
         """The training loop has ended: apply the round in flight, wait (bounded) for a late one."""

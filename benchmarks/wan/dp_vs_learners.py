@@ -182,11 +182,8 @@ def _seconds_since(launched: datetime, hhmmss: str) -> float:
 # learners' measurements (p2p_diloco/pace.py), starting from the default 60 s (a period that starts short
 # piles rounds up on a slow link before the first round is measured: at 2 Mbit/s from 20 s, one learner fell
 # behind in the first minute and spent the run downloading); the default majority quorum (3 of 4), so that
-# the region-local pairs never commit one version twice; and at most 2·H inner steps in one outer gradient
-# (sync.max_steps_per_round: the 80-226 s periods of slow links carried 300-540 steps, and the outer step
-# took the global eval from 2.7 to 5.5-12.4).
-PACE_AUTO = ["sync.pace=auto", "sync.period_seconds=60", "sync.overlap_steps=0", "averaging.quorum=majority",
-             "sync.max_steps_per_round=100"]
+# the region-local pairs never commit one version twice.
+PACE_AUTO = ["sync.pace=auto", "sync.period_seconds=60", "sync.overlap_steps=0", "averaging.quorum=majority"]
 
 
 def run_learners(rate: str, target: float, max_outer: int, work: Path, timeout: float,

@@ -6,7 +6,7 @@ next fragment's slot (the slot is skipped, the fragment later downloaded); too l
 With ``sync.pace = "auto"`` each learner measures, and the swarm agrees on T through its progress records
 (docs/design.md, "Pace from measurements"):
 
-    proposal_i = max(floor, H · t_step_i, SAFETY · P · t_round_i)      SAFETY = 1.5
+    proposal_i = max(floor, H · t_step_i, SAFETY · P · t_round_i)      SAFETY = 1.5; none before a round is measured
     T          = the smallest rung floor · √2^k at or above the upper median of the training learners' proposals,
                  kept while that median stays above half of it (hysteresis), changed at the next multiple of
                  the larger period that is at least ``lead`` seconds away; a change decided but not yet in
@@ -111,9 +111,12 @@ class Pace:
                 self.t_round = statistics.median_high(self._rounds)
 
     def proposal(self) -> float:
-        """This learner's proposed period (0.0 before it has measured an inner step)."""
+        """This learner's proposed period; 0.0 (none) until it has measured an inner step and a round that formed
+        a group. Proposing H · t_step before any round was measured took the period from the starting 60 s down to
+        20 s on 1 and 2 Mbit/s links, where rounds took 16-35 s: slots were skipped in the first minute and one
+        fragment ran two versions ahead of the other for the rest of the run (WAN benchmark, 2026-12-03)."""
         with self._lock:
-            if self.t_step is None:
+            if self.t_step is None or self.t_round is None:
                 return 0.0
             need = max(self.floor, self.steps_per_outer * self.t_step,
                        SAFETY * self.fragments * (self.t_round or 0.0))

@@ -80,9 +80,13 @@ def test_proposal_covers_h_steps_and_one_and_a_half_rounds_per_fragment_slot():
     assert p.proposal() == 0.0  # nothing measured: no proposal
     for _ in range(20):
         p.observe_step(0.4)
-    assert math.isclose(p.proposal(), 50 * 0.4)  # compute-bound: H steps
+    # No round measured yet: still no proposal (H · t_step alone took a slow link's period down to 20 s
+    # before its first round, and rounds piled up).
+    assert p.proposal() == 0.0
     p.observe_round(30.0, group_size=1)  # no group formed: its duration measures a timeout, not the link
-    assert p.t_round is None
+    assert p.t_round is None and p.proposal() == 0.0
+    p.observe_round(5.0, group_size=4)
+    assert math.isclose(p.proposal(), 50 * 0.4)  # compute-bound: H steps
     for _ in range(20):
         p.observe_round(12.0, group_size=4)
     assert math.isclose(p.proposal(), SAFETY * 2 * 12.0, rel_tol=1e-6)  # link-bound: 1.5 rounds per slot

@@ -164,12 +164,17 @@ class Learner:
                     f"{'' if eval_loss is None else f'eval_loss {eval_loss:.4f} '}compute {busy:.1%} sent "
                     f"{c.bytes_sent / 1e6:.3f} MB total global_tokens {min(s.tokens for s in p.state.states)} "
                     f"steps_merged {c.steps_merged:.0f}")
-        target = cfg.run.stop_at_eval_loss
-        if target is not None and eval_due:
+        target, alone = cfg.run.stop_at_eval_loss, p.catch_up.left_alone
+        if target is not None and (eval_due or alone):
             global_loss = self.evaluate(self.global_params())
             self.target_loss_reached = global_loss <= target
             logger.info(f"global model eval_loss {global_loss:.4f} at version {p.state.version} (target {target:g}"
                         f"{': reached' if self.target_loss_reached else ''})")
+            if alone and not self.target_loss_reached:
+                p.catch_up.swarm_gone = True  # no round can commit alone: the global model stays where it is
+                logger.warning(f"the others reached the target and left, and nobody else trains; alone, with a quorum "
+                               f"of {cfg.averaging.min_group_size}, no round commits: stopping at version "
+                               f"{p.state.version} (local progress is in the checkpoint)")
         p.metrics.update(p.state, train_loss=train_loss, eval_loss=eval_loss)
         p.audit.outer_step(p.state, train_loss, eval_loss, c.train_seconds + time.perf_counter() - self._loop_started)
         p.progress.publish()

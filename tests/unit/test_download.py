@@ -111,13 +111,29 @@ def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
     ours_8_8.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
     ours_8_8.behind()
     assert ours_8_8.done_at == [8, 9] and ours_8_8.swarm_gone
-    # Level with the finished peers on every fragment: nothing to stop for.
+    # Level with the finished peers on every fragment: nothing to download. Nobody else trains, and alone no
+    # round can commit (quorum 2): left alone, the learner evaluates its global model once more and stops.
     level = catch_up_with({"peer": done_8_9})
     level.state.states[0].version, level.state.states[1].version = 8, 9
     level.behind()
+    assert not level.left_alone  # the finished peer is still there (serving, lingering)
     level.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
     level.behind()
-    assert level.done_at == [8, 9] and not level.swarm_gone
+    assert level.done_at == [8, 9] and not level.swarm_gone and level.left_alone
+    # Not alone while another learner was seen training (a read that misses its record does not count) ...
+    training = ProgressRecord(8, "0" * 64, 10, "training", versions=(8, 9))
+    level.progress._remember({"other": training})
+    level.behind()
+    assert not level.left_alone
+    # ... nor when a learner may commit alone (quorum 1), nor without a target loss.
+    for overrides in (["averaging.min_group_size=1"], []):
+        solo = catch_up_with({"peer": done_8_9}, stop_at=None if not overrides else 2.5)
+        if overrides:
+            solo.cfg = load_learner_config(None, ["sync.fragments=2", "run.stop_at_eval_loss=2.5", *overrides])
+        solo.behind()
+        solo.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
+        solo.behind()
+        assert solo.saw_finished and not solo.left_alone
     # Without a target loss, a learner left alone trains on (the others may have been interrupted).
     alone = catch_up_with({"peer": ahead}, stop_at=None)
     alone.behind()

@@ -119,7 +119,7 @@ class Pace:
             if self.t_step is None or self.t_round is None:
                 return 0.0
             need = max(self.floor, self.steps_per_outer * self.t_step,
-                       SAFETY * self.fragments * (self.t_round or 0.0))
+                       SAFETY * self.fragments * self.t_round)
             return min(MAX_PERIOD, need)
 
     def overlap(self) -> int:

@@ -87,8 +87,8 @@ class Board:
         return dict(self.records)
 
 
-def catch_up_with(records, stop_at=2.5) -> CatchUp:
-    overrides = ["sync.fragments=2"] + ([f"run.stop_at_eval_loss={stop_at}"] if stop_at else [])
+def catch_up_with(records, stop_at=2.5, extra=()) -> CatchUp:
+    overrides = ["sync.fragments=2"] + ([f"run.stop_at_eval_loss={stop_at}"] if stop_at else []) + list(extra)
     cfg = load_learner_config(None, overrides)
     fragments = build_fragments([("a", torch.Size([4, 5])), ("b", torch.Size([7]))], 2, 10)
     state = LearnerState(fragments=fragments, states=states(), params=[], peer_id="me")
@@ -126,10 +126,8 @@ def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
     level.behind()
     assert not level.left_alone
     # ... nor when a learner may commit alone (quorum 1), nor without a target loss.
-    for overrides in (["averaging.min_group_size=1"], []):
-        solo = catch_up_with({"peer": done_8_9}, stop_at=None if not overrides else 2.5)
-        if overrides:
-            solo.cfg = load_learner_config(None, ["sync.fragments=2", "run.stop_at_eval_loss=2.5", *overrides])
+    for solo in (catch_up_with({"peer": done_8_9}, extra=["averaging.min_group_size=1"]),
+                 catch_up_with({"peer": done_8_9}, stop_at=None)):
         solo.behind()
         solo.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
         solo.behind()

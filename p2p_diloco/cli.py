@@ -197,6 +197,9 @@ def _run_learner(args: argparse.Namespace) -> int:
 
 def _learn(cfg: LearnerConfig, faults: FaultPlan, unit: Leader | None) -> int:
     """Train as a learner (of one worker, or rank 0 of a unit) until done or signalled; write the summary."""
+    from p2p_diloco import lazy_imports
+
+    lazy_imports.defer_all()  # before hivemind: what it imports and we never use costs every (re)start
     from p2p_diloco.learner import Learner, write_summary  # torch and hivemind: only once the input is good
 
     if faults:

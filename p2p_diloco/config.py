@@ -256,6 +256,10 @@ class RunConfig(_Section):
     checkpoint_on_commit: bool = Field(
         True, description="also checkpoint right after each committed round and each state taken from peers, not "
                           "only after each outer step: a kill then loses only the steps since the last merge")
+    checkpoint_every_seconds: float | None = Field(
+        60.0, gt=0.0, description="also checkpoint when this long has passed since the last checkpoint (written by a "
+                                  "background thread; a kill loses at most this much training); None: only at "
+                                  "merges and outer steps")
     eval_every: int = Field(1, ge=1, description="outer steps between evals (the progress line's eval_loss and the "
                                                  "stop_at_eval_loss check)")
     resume: bool = False

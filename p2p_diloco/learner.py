@@ -61,6 +61,7 @@ class Learner:
         self.target_loss_reached = False
         self._parts: Parts | None = None
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
+        self._checkpoint_time = time.monotonic()  # when the last one was handed to the writer
         self._loop_started = time.perf_counter()  # this run's training loop (train_seconds counts earlier runs)
 
     @property
@@ -101,6 +102,7 @@ class Learner:
     def _train(self) -> None:
         p, cfg = self.parts, self.cfg
         c, h, t = p.state.counters, cfg.inner.steps_per_outer, p.trainer
+        every = cfg.run.checkpoint_every_seconds
         self.leaving.training = True
         self._loop_started = time.perf_counter()
         losses: list[float] = []
@@ -108,6 +110,8 @@ class Learner:
         while self.unit.sync(go=not self.stop.is_set() and not self.finished()):
             losses.append(self._inner_step())
             p.rounds.tick()
+            if every is not None and time.monotonic() - self._checkpoint_time >= every:
+                self.checkpoint()  # a kill loses at most `every` seconds of steps, not a whole period's
             if c.inner_steps % cfg.run.log_every == 0:
                 recent = losses[-cfg.run.log_every:]
                 logger.info(f"inner {c.inner_steps % h or h}/{h} loss {sum(recent) / len(recent):.4f} "
@@ -204,7 +208,7 @@ class Learner:
         mark = (c.inner_steps, c.outer_steps, c.syncs, c.merges)
         if mark == self._checkpointed:
             return  # nothing new since the last one (a commit at the end of an outer step)
-        self._checkpointed = mark
+        self._checkpointed, self._checkpoint_time = mark, time.monotonic()
         self.unit.refresh(optimizer=True)  # a sharded unit's rank 0 saves its host copies
         payload = {
             "format": FORMAT,

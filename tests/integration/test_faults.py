@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.processes import processes_in_group, wait_until
 
 from .harness import committed_version, eval_losses
@@ -59,6 +60,23 @@ def test_killed_while_checkpointing_then_restarted_reintegrates(swarm):
     assert "resumed from" in back.text() and "synced global state" in back.text()
     assert not list(ckpt.glob(".latest.pt.tmp-*"))
     _assert_one_lineage(swarm, range(3), TARGET + 2)
+
+
+@pytest.mark.timeout(150)
+def test_a_timed_checkpoint_keeps_the_steps_of_a_long_outer_step(swarm):
+    """Alone (so no merge ever checkpoints it) in an outer step of 400 inner steps, a learner killed after
+    100 of them has checkpointed most of them (run.checkpoint_every_seconds), not none."""
+    swarm.start_bootstrap()
+    lone = swarm.start_learner(0, max_outer_steps=2, extra=[
+        "--set", "inner.steps_per_outer=400", "--set", "inner.extra_step_seconds=0.02",
+        "--set", "run.checkpoint_every_seconds=1.0", "--set", "run.log_every=20"])
+    wait_until(lambda: re.search(r"inner (1[0-9][0-9]|[2-3][0-9][0-9])/400", lone.text()), 120, lone,
+               "100 inner steps")
+    lone.kill_group()
+    payload = load_checkpoint(swarm.tmp / "ckpt-0")
+    assert payload is not None, lone.text()
+    assert 50 <= payload["counters"]["inner_steps"] < 400, payload["counters"]
+    assert payload["counters"]["outer_steps"] == 0
 
 
 @pytest.mark.timeout(360)

@@ -59,8 +59,6 @@ def defer_all() -> None:
 def load(name: str) -> types.ModuleType:
     """The real module ``name``, imported now if a stand-in held its place."""
     with _lock:
-        module = sys.modules.get(name)
-        if isinstance(module, Deferred):
-            del sys.modules[name]
-            module = importlib.import_module(name)  # sets the parent's attribute to the real module
-        return module if module is not None else importlib.import_module(name)
+        if isinstance(sys.modules.get(name), Deferred):
+            del sys.modules[name]  # the import below runs the module and sets the parent's attribute to it
+        return importlib.import_module(name)

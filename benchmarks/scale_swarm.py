@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -41,15 +42,31 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
 
 
-def rss_by_group(pgids: set[int]) -> dict[int, int]:
-    """Resident bytes of every process in each of the process groups ``pgids``, in one pass over the processes."""
+def rss_by_group(pgids: set[int], cpu: dict[int, dict[int, tuple[str, float]]] | None = None) -> dict[int, int]:
+    """Resident bytes of every process in each of the process groups ``pgids``, in one pass over the processes.
+
+    ``cpu``, if given, gets each process's CPU seconds so far (user + system) by group and pid, with its
+    kind: ``learner`` (the group's leader), ``p2pd``, or ``forks`` (hivemind's DHT and averager processes)."""
     totals = dict.fromkeys(pgids, 0)
-    for proc in psutil.process_iter(["pid"]):
+    for proc in psutil.process_iter(["pid", "name"]):
         with contextlib.suppress(psutil.Error, ProcessLookupError):
             pgid = os.getpgid(proc.pid)
             if pgid in totals:
                 totals[pgid] += proc.memory_info().rss
+                if cpu is not None:
+                    times = proc.cpu_times()
+                    kind = "learner" if proc.pid == pgid else "p2pd" if proc.info["name"] == "p2pd" else "forks"
+                    cpu.setdefault(pgid, {})[proc.pid] = (kind, times.user + times.system)
     return totals
+
+
+def cpu_per_learner(cpu: dict[int, dict[int, tuple[str, float]]], learners: int) -> dict[str, float]:
+    """Mean CPU seconds per learner by kind of process, from the last sample of each process."""
+    out: dict[str, float] = {"learner": 0.0, "forks": 0.0, "p2pd": 0.0}
+    for procs in cpu.values():
+        for kind, seconds in procs.values():
+            out[kind] += seconds / learners
+    return out
 
 
 def audit_events(ckpt: Path) -> list[dict]:
@@ -71,6 +88,7 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
     boot, peers = start_bootstrap(work)
     learners: list[Proc] = []
     rss: list[list[int]] = [[] for _ in range(m)]
+    cpu: dict[int, dict[int, tuple[str, float]]] = {}
     began = time.monotonic()
     try:
         for i in range(m):
@@ -90,7 +108,7 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
             if time.monotonic() >= next_sample:
                 next_sample += args.sample_seconds
                 alive = {i: p.pid for i, p in enumerate(learners) if p.alive()}
-                sampled = rss_by_group(set(alive.values()))
+                sampled = rss_by_group(set(alive.values()), cpu)
                 for i, pgid in alive.items():
                     rss[i].append(sampled[pgid])
             time.sleep(0.5)
@@ -139,6 +157,8 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         "allreduce_seconds_mean": statistics.fmean(allreduce) if allreduce else None,
         "rss_mb_per_learner_mean": statistics.fmean(peak) / 2**20 if peak else None,
         "rss_mb_per_learner_max": max(peak) / 2**20 if peak else None,
+        # CPU seconds per learner per version: under-counts processes that ended between two samples.
+        "cpu_seconds_per_learner_per_version": {k: round(v / per_round, 2) for k, v in cpu_per_learner(cpu, m).items()},
         "dht_calls_per_learner_per_version": (statistics.fmean(d["calls_made"] + d["calls_served"] for d in dht)
                                               / per_round) if dht else None,
         "dht_calls_made_per_learner_per_version": (statistics.fmean(d["calls_made"] for d in dht) / per_round
@@ -150,6 +170,10 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         "states_at_end": len({s["global_state_sha256"] for s in valid}),
         "final_eval_loss": [round(s["last_eval_loss"], 4) for s in valid],
     }
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -170,6 +194,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep logs, audit logs and summaries here (default: a temporary directory)")
     args = ap.parse_args()
+    # SIGTERM (timeout, Ctrl+C's cousin) unwinds like Ctrl+C, so that the learners are stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     results = []
     workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="scale-")
     with workdir as tmp:
@@ -180,8 +206,9 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     print("\n| learners | versions | rounds | with every learner | failed rounds / learner | matchmaking s (mean, p90) "
           "| round s (mean, p90) | all-reduce s | RSS MB / learner (mean, max) | DHT calls / learner / version "
-          "| DHT KB / learner / version | states at end | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| DHT KB / learner / version | CPU s / learner / version (learner, DHT and averager, p2pd) "
+          "| states at end | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['learners']} | {r['version']} | {r['rounds']} | {_f(r['full_fraction'], '.0%')} | "
               f"{r['rounds_failed_per_learner']:.1f} | {_f(r['matchmaking_seconds_mean'], '.2f')}, "
@@ -189,6 +216,7 @@ def main() -> None:
               f"{_f(r['round_seconds_p90'], '.2f')} | {_f(r['allreduce_seconds_mean'], '.2f')} | "
               f"{_f(r['rss_mb_per_learner_mean'], '.0f')}, {_f(r['rss_mb_per_learner_max'], '.0f')} | "
               f"{_f(r['dht_calls_per_learner_per_version'], '.0f')} | {_f(r['dht_kb_per_learner_per_version'], '.1f')} "
+              f"| {', '.join(f'{v:.1f}' for v in r['cpu_seconds_per_learner_per_version'].values())} "
               f"| {r['states_at_end']} | {r['wall_seconds']:.0f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 
 from p2p_diloco.admission import Admission, gated_p2p
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.message_caps import cap_stream_messages
-from p2p_diloco.signed_records import IdentityKey, OwnedRecords, owner_marker
+from p2p_diloco.signed_records import CheckedOnce, IdentityKey, OwnedRecords, owner_marker
 from p2p_diloco.traffic import counting_p2p
 
 _PR_SET_PDEATHSIG = 1
@@ -180,7 +179,7 @@ def start_dht(
     validators: list[Any] = []
     owned, owner = None, b""
     if signing is not None:
-        signer, owned = RSASignatureValidator(signing), OwnedRecords()
+        signer, owned = CheckedOnce(signing), OwnedRecords()
         validators, owner = [signer, owned], owner_marker(signer)
     try:
         return LinkedDHT(

@@ -10,6 +10,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from p2p_diloco.admission import peer_id_of
 from p2p_diloco.config import ConfigError
 from p2p_diloco.signed_records import (
+    CheckedOnce,
     IdentityKey,
     OwnedRecords,
     owner_marker,
@@ -58,3 +59,36 @@ def test_owned_records_must_name_an_owner_under_protected_keys_and_expire_soon(t
     assert not rule.validate(record(other, b"peer-id-bytes", now + 10**6))
     rule.protect(["x"])
     assert not rule.validate(record(other, b"peer-id-bytes", now + 50))
+
+
+def _signed(signer, value: bytes, expires: float) -> DHTRecord:
+    key = DHTID.generate(source="lin_progress").to_bytes()
+    unsigned = DHTRecord(key, MSGPackSerializer.dumps(owner_marker(signer)), value, expires)
+    return DHTRecord(unsigned.key, unsigned.subkey, signer.sign_value(unsigned), expires)
+
+
+def test_a_signature_is_checked_once_per_distinct_record(tmp_path):
+    peer_id_of(tmp_path / "k.key")
+    checker = CheckedOnce(IdentityKey.load(tmp_path / "k.key"), size=2)
+    expires = get_dht_time() + 60
+    good = _signed(checker, b"v1", expires)
+    assert checker.validate(good) and checker.validate(good) and checker.checked == 1
+
+    # Any byte changed is a different record, checked on its own: value, signature or expiration.
+    assert not checker.validate(DHTRecord(good.key, good.subkey, b"v2" + good.value[2:], expires))
+    assert not checker.validate(DHTRecord(good.key, good.subkey, good.value[:-3] + b"AA]", expires))
+    assert not checker.validate(DHTRecord(good.key, good.subkey, good.value, expires + 1))
+    assert checker.checked == 4
+    # A remembered forgery stays rejected; and only `size` verdicts are kept (the good one was evicted).
+    assert not checker.validate(DHTRecord(good.key, good.subkey, good.value, expires + 1)) and checker.checked == 4
+    assert checker.validate(good) and checker.checked == 5
+    # Verdicts agree with hivemind's own validator.
+    plain = RSASignatureValidator(IdentityKey.load(tmp_path / "k.key"))
+    assert plain.validate(good) and not plain.validate(DHTRecord(good.key, good.subkey, good.value, expires + 1))
+
+
+def test_unprotected_records_pass_as_with_hivemind(tmp_path):
+    peer_id_of(tmp_path / "k.key")
+    checker = CheckedOnce(IdentityKey.load(tmp_path / "k.key"))
+    record = DHTRecord(b"key", MSGPackSerializer.dumps(b"peer-id-bytes"), b"value", get_dht_time() + 10)
+    assert checker.validate(record) and checker.validate(record) and checker.checked == 1

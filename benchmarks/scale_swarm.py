@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep logs, audit logs and summaries here (default: a temporary directory)")
     args = ap.parse_args()
-    # SIGTERM (timeout, Ctrl+C's cousin) unwinds like Ctrl+C, so that the learners are stopped on the way out.
+    # SIGTERM (as `timeout` sends) unwinds like Ctrl+C: run_size's finally stops the learners it started.
     signal.signal(signal.SIGTERM, _interrupt)
     results = []
     workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="scale-")

@@ -36,7 +36,7 @@ from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
 from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
 from p2p_diloco.faults import FaultPlan
-from p2p_diloco.lifecycle import die_with_parent, serialize_requests
+from p2p_diloco.lifecycle import die_with_parent, read_whole_messages, serialize_requests
 from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, download_key
 from p2p_diloco.state_downloads import StateDownloads
@@ -111,6 +111,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         cap_stream_messages()  # parts, replies and downloads come through this process's streams
+        read_whole_messages(self)
         super().run()
 
     async def _step(self, **kwargs):

@@ -36,6 +36,7 @@ import torch
 from p2p_diloco import peer_log
 from p2p_diloco.checkpoint import FORMAT
 from p2p_diloco.config import LearnerConfig
+from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan
 from p2p_diloco.leader import Solo, UnitHooks
 from p2p_diloco.parting import Leaving, hand_over, linger
@@ -183,6 +184,17 @@ class Learner:
         p.audit.outer_step(p.state, train_loss, eval_loss, c.train_seconds + time.perf_counter() - self._loop_started)
         p.progress.publish()
         self.checkpoint()
+        self._stop_if_cut_off()
+
+    def _stop_if_cut_off(self) -> None:
+        """Stop with one line if the learner's DHT or averager process has exited: it would train on alone,
+        never to merge again (seen when a torn request killed a DHT process, 2026-12-04). Its steps are in
+        the checkpoint; a restart rejoins the swarm and hands them over."""
+        gone = self.parts.averaging.gone()
+        if gone is not None:
+            self.parts.writer.flush()
+            raise LearnerError(f"this learner's {gone} has exited, so it can no longer reach the swarm; its "
+                               f"training is checkpointed in {self.parts.ckpt_dir}: restart the learner to rejoin")
 
     def finished(self) -> bool:
         """Whether training is over: target version or loss reached, or the swarm left without us."""

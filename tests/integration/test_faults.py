@@ -3,9 +3,11 @@
 Each case is one line of the fault plan (p2p_diloco/faults.py) given to learner 2.
 """
 
+import os
 import re
 import signal
 
+import psutil
 import pytest
 
 from p2p_diloco.checkpoint import load_checkpoint
@@ -43,6 +45,23 @@ def test_learner_killed_at_each_stage(swarm, stage):
     assert f"fault injection: kill at round 2 during {stage}" in victim.text()
     wait_until(lambda: not processes_in_group(victim.pid), 15, None, "the killed learner's children to exit")
     _survivors_finish(swarm, learners)
+
+
+@pytest.mark.timeout(150)
+def test_a_learner_whose_dht_process_dies_stops_with_one_line_and_keeps_its_steps(swarm):
+    """Without its DHT process a learner can never merge again: it stops (exit 2, one line saying so)
+    with its steps checkpointed, instead of training on alone."""
+    swarm.start_bootstrap()
+    lone = swarm.start_learner(0, max_outer_steps=50, extra=["--set", "inner.extra_step_seconds=0.02"])
+    wait_until(lambda: "outer step done" in lone.text(), 120, lone, "the first outer step")
+    tree = psutil.Process(lone.pid).children(recursive=True)
+    dht = {p.ppid() for p in tree if p.name() == "p2pd"}  # p2pd is the DHT process's child
+    assert len(dht) == 1 and lone.pid not in dht, [(p.pid, p.ppid(), p.name()) for p in tree]
+    os.kill(dht.pop(), signal.SIGKILL)
+    assert lone.wait(60) == 2, lone.text()
+    assert "DHT process (exit code -9) has exited, so it can no longer reach the swarm" in lone.text()
+    payload = load_checkpoint(swarm.tmp / "ckpt-0")
+    assert payload is not None and payload["counters"]["inner_steps"] >= 20, lone.text()
 
 
 @pytest.mark.timeout(360)

@@ -67,10 +67,11 @@ logger = get_logger(__name__)
 
 
 # How long a reducer keeps its reply stream to a sender open after its last reply, waiting for the sender
-# to close it. p2pd ends a stream whose handler has closed its end with a reset, and a reset that
-# overtakes the reply on the sender's side discards it: under load, 1 in about 250 streams of a
-# 16-member group lost its last reply that way ("peer ... sent 0 parts"), failing the round for the
-# whole group (2026-12-04). Our senders close as soon as they hold every reply they expect.
+# to close it. When the reducer's side closes first, p2pd may reset the stream, and a reset that reaches
+# the sender's side before the reply is read discards the reply: in one 16-learner run, 2 of 554 reply
+# streams ended with no reply although the reducer had sent it ("peer ... sent 0 parts"), and each
+# failed the round of all 16 (2026-12-04, docs/scale.md). Our senders close as soon as they hold every
+# reply they expect, which ends the wait.
 REPLY_HOLD = 5.0
 
 

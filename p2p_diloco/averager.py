@@ -102,7 +102,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         self._served_bytes = [8 * sum(averaged_tensors[i].numel() for i in f) for f in self._fragments]
         self._codecs = list(codecs)
         self._base_quorum = int(kwargs.get("min_group_size", 2))  # K; a majority quorum only raises it
-        self._base_target = int(kwargs.get("target_group_size") or self._base_quorum)  # the largest target
+        self._base_target = int(kwargs.get("target_group_size") or self._base_quorum)  # and this, to at least itself
         self._round_stats: dict[bytes, dict[str, Any]] = {}
         self._owner: bytes = getattr(dht, "owner", b"")  # our signed subkey (p2p_diloco.signed_matchmaking)
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -180,19 +180,18 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
                 logger.debug(f"all-reduce failed: {e!r}")
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
-    def set_group_sizes(self, quorum: int, target: int, wait: bool = True):
-        """Matchmake with ``quorum`` and ``target`` from the next round on (a majority quorum and the count of
-        learners training follow the swarm's size): a leader disbands below the quorum at its window's end,
-        and closes its group at once when ``target`` members have joined (at most ``target_group_size``)."""
+    def set_min_group_size(self, size: int, wait: bool = True):
+        """Matchmake with quorum ``size`` from the next round on (a majority quorum follows the swarm's size);
+        a group then closes early only once it has at least that many members, whatever the target size."""
         future = MPFuture()
-        self._outer_pipe.send(("_set_group_sizes", [], dict(quorum=int(quorum), target=int(target), future=future)))
+        self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(size), future=future)))
         return future.result() if wait else future
 
-    async def _set_group_sizes(self, quorum: int, target: int, future: MPFuture) -> None:
+    async def _set_min_group_size(self, size: int, future: MPFuture) -> None:
         try:
-            quorum = max(self._base_quorum, quorum)
-            target = max(quorum, min(self._base_target, target))
+            quorum = max(self._base_quorum, size)
             self._matchmaking.min_group_size = quorum
+            target = max(self._base_target, quorum)
             # hivemind's key manager draws each member's next group bits from `target` buckets: it must
             # hold the largest group (our group bits are set again before every round anyway).
             self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target

@@ -84,7 +84,6 @@ class HivemindAveraging:
     _bans: Bans = field(init=False)
     _last_verdict: Verdict | None = field(init=False, default=None)
     _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
-    _sizes: tuple[int, int] = field(init=False, default=(0, 0))  # and its (quorum, target)
 
     def __post_init__(self) -> None:
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
@@ -174,23 +173,13 @@ class HivemindAveraging:
         return max(self.cfg.min_group_size, majority(self.training_learners()))
 
     def _set_quorum(self) -> None:
-        """Matchmake with this round's quorum, and close a group at once when it holds every learner training.
-
-        A leader with fewer followers than the quorum disbands at its window's end rather than starts. One
-        whose group holds as many members as the records show learners training (at most
-        ``target_group_size``) closes it without waiting for the window's end: a long
-        ``averaging.matchmaking_time`` then costs a full swarm nothing, and only a learner that is missing
-        (or late beyond the window) makes the others wait for it."""
+        """Matchmake with this round's quorum: a leader with fewer followers disbands rather than starts."""
         if self.cfg.quorum != "majority":
-            return  # K and target_group_size, as the averager was started with
-        quorum, target = self.round_quorum(), self.cfg.target_group_size
-        if self.training_learners is not None:
-            target = max(quorum, min(target, self.training_learners()))
-        sizes = (quorum, target)
-        if sizes != self._sizes:
-            self._averager.set_group_sizes(*sizes)
-            self._sizes = sizes
-        self._quorum = quorum
+            return  # K, as the averager was started with
+        quorum = self.round_quorum()
+        if quorum != self._quorum:
+            self._averager.set_min_group_size(quorum)
+            self._quorum = quorum
 
     def _rules(self) -> Rules:
         rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)

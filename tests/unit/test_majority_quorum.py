@@ -36,30 +36,6 @@ def test_the_round_quorum_follows_the_learners_training():
     assert HivemindAveraging.round_quorum(fixed) == fixed.cfg.min_group_size
 
 
-def test_a_group_closes_once_it_holds_every_learner_training():
-    """The matchmaker's target is the count of learners training (capped by target_group_size, never below the
-    quorum): a leader closes its group as soon as all of them have joined, not at its window's end."""
-    cfg = load_learner_config(SMALL, ["averaging.quorum=majority", "averaging.target_group_size=16"]).averaging
-    sent = []
-    live = [12]
-    seen = SimpleNamespace(cfg=cfg, training_learners=lambda: live[0], _sizes=(0, 0), _quorum=0,
-                           _averager=SimpleNamespace(set_group_sizes=lambda q, t: sent.append((q, t))))
-    seen.round_quorum = lambda: HivemindAveraging.round_quorum(seen)
-    HivemindAveraging._set_quorum(seen)
-    assert sent == [(7, 12)] and seen._quorum == 7
-    HivemindAveraging._set_quorum(seen)
-    assert sent == [(7, 12)]  # unchanged sizes are not sent again
-    live[0] = 40
-    HivemindAveraging._set_quorum(seen)
-    assert sent[-1] == (21, 21)  # a quorum above target_group_size: the target follows it
-    live[0] = 20
-    HivemindAveraging._set_quorum(seen)
-    assert sent[-1] == (11, 16)  # at most target_group_size
-    fixed = SimpleNamespace(cfg=load_learner_config(SMALL, ["averaging.quorum=fixed"]).averaging,
-                            training_learners=lambda: 16, _averager=None)
-    HivemindAveraging._set_quorum(fixed)  # K and target_group_size as started: nothing to send
-
-
 def test_the_group_applies_the_upper_median_of_its_members_claims():
     assert group_quorum([{}, {}, {}], 2) == 2  # a fixed quorum: nobody claims one
     assert group_quorum([{"quorum": 9}] * 9, 2) == 9

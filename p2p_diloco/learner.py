@@ -191,7 +191,7 @@ class Learner:
         never to merge again (seen when a torn request killed a DHT process, 2026-12-04). Its steps are in
         the checkpoint; a restart rejoins the swarm and hands them over."""
         gone = self.parts.averaging.gone()
-        if gone is not None:
+        if gone is not None and not self.stop.is_set():  # a signal to the whole process group ends them too
             self.parts.writer.flush()
             raise LearnerError(f"this learner's {gone} has exited, so it can no longer reach the swarm; its "
                                f"training is checkpointed in {self.parts.ckpt_dir}: restart the learner to rejoin")

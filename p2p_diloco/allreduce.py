@@ -71,8 +71,8 @@ logger = get_logger(__name__)
 # the sender's side before the reply is read discards the reply: in one 16-learner run, 2 of 554 reply
 # streams ended with no reply although the reducer had sent it ("peer ... sent 0 parts"), and each
 # failed the round of all 16 (2026-12-04, docs/scale.md). Our senders close as soon as they hold every
-# reply they expect, which ends the wait.
-REPLY_HOLD = 5.0
+# reply they expect, which cancels the wait (hivemind cancels a handler whose stream its caller closed).
+_REPLY_HOLD = 5.0
 
 
 class IncompleteAllReduce(AllreduceException):
@@ -252,7 +252,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     index += 1
                     yield msg
                     if index == len(shapes):
-                        return  # every reply is here: we close the stream, not the reducer (REPLY_HOLD)
+                        return  # every reply is here: we close the stream, not the reducer (_REPLY_HOLD)
 
             def _try_decode(msg):
                 try:
@@ -325,9 +325,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         if context.remote_id not in self.sender_peer_ids:
             logger.debug(f"refused parts from {context.remote_id}: its contribution is excluded from this round")
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
+        else:
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+        # Returning would close our end at once, and p2pd may then reset the stream before the sender
+        # has read our last reply: wait for the sender to close it.
+        await asyncio.sleep(_REPLY_HOLD)
 
     def _check_header(self, part: runtime_pb2.Tensor, index: int, shapes: Sequence[torch.Size]) -> None:
         """Refuse a part (or reply) from a peer by its header alone: its index, codec tag and size; the

@@ -32,7 +32,7 @@ from hivemind.utils.asyncio import achain, as_aiter, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import shard_sketches, signed_metadata
-from p2p_diloco.allreduce import REPLY_HOLD, ExactAllReduceRunner
+from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
 from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
 from p2p_diloco.faults import FaultPlan
@@ -251,10 +251,6 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
-        # Returning would close our end at once, and p2pd may then reset the stream before the sender has
-        # read our last reply (allreduce.REPLY_HOLD): wait for the sender to close it; hivemind cancels
-        # this handler when it does.
-        await asyncio.sleep(REPLY_HOLD)
 
     async def _may_join(self, group_id: bytes, poll: float = 0.05) -> bool:
         """Wait until ``group_id`` is registered (True) or no group is forming here (False).

@@ -14,6 +14,7 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
+from p2p_diloco import allreduce
 from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.codecs import decode, get_codec
 from p2p_diloco.config import ConfigError, ModelConfig, OuterConfig, load_learner_config
@@ -322,27 +323,39 @@ def _peer(i: int) -> PeerID:
     return PeerID(bytes([0, 36]) + bytes([i + 1]) * 36)
 
 
-def test_a_reducer_refuses_an_excluded_sender_and_weighs_by_gathered_weights():
-    """A pure reducer (auxiliary, whole vector) with senders a and b, and x excluded: every part claims
-    weight 1e15; a counts with weight 1, b with 3 and clipped by half, x is refused unread."""
+def _aux_reducer(me, a, b, x, codec) -> ExactAllReduceRunner:
+    """A pure reducer (auxiliary, whole vector of 6) with senders a (weight 1) and b (weight 3, clipped by
+    half); x is an excluded contributor."""
+    return ExactAllReduceRunner(
+        p2p=SimpleNamespace(peer_id=me), servicer_type=AllReduceRunner, prefix=None, group_id=b"g",
+        tensors=[torch.zeros(6)], ordered_peer_ids=[me, a, b, x], peer_fractions=(6, 0, 0, 0),
+        modes=(AveragingMode.AUX, AveragingMode.CLIENT, AveragingMode.CLIENT, AveragingMode.AUX),
+        sender_weights=[1.0, 3.0], sender_scales=[1.0, 0.5], compression=codec,
+    )
+
+
+def _one_part(codec, values: torch.Tensor):
+    async def parts():
+        part = codec.compress(values, CompressionInfo.from_tensor(values))
+        yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g",
+                                          tensor_part=part, weight=1e15)
+    return parts()
+
+
+def test_a_reducer_refuses_an_excluded_sender_and_weighs_by_gathered_weights(monkeypatch):
+    """Every part claims weight 1e15; a counts with weight 1, b with 3 and clipped by half, x is refused
+    unread."""
+    monkeypatch.setattr(allreduce, "_REPLY_HOLD", 0.0)  # the handlers return at once (held: the next test)
     me, a, b, x = (_peer(i) for i in range(4))
     codec = get_codec("none")
     inputs = {a: torch.full((6,), 1.0), b: torch.full((6,), 4.0), x: torch.full((6,), 1e9)}
 
     async def send(runner, peer):
-        async def parts():
-            part = codec.compress(inputs[peer], CompressionInfo.from_tensor(inputs[peer]))
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g",
-                                              tensor_part=part, weight=1e15)
-        return [m async for m in runner.rpc_aggregate_part(parts(), SimpleNamespace(remote_id=peer))]
+        return [m async for m in runner.rpc_aggregate_part(_one_part(codec, inputs[peer]),
+                                                           SimpleNamespace(remote_id=peer))]
 
     async def scenario():
-        runner = ExactAllReduceRunner(
-            p2p=SimpleNamespace(peer_id=me), servicer_type=AllReduceRunner, prefix=None, group_id=b"g",
-            tensors=[torch.zeros(6)], ordered_peer_ids=[me, a, b, x], peer_fractions=(6, 0, 0, 0),
-            modes=(AveragingMode.AUX, AveragingMode.CLIENT, AveragingMode.CLIENT, AveragingMode.AUX),
-            sender_weights=[1.0, 3.0], sender_scales=[1.0, 0.5], compression=codec,
-        )
+        runner = _aux_reducer(me, a, b, x, codec)
         replies = await asyncio.wait_for(asyncio.gather(send(runner, a), send(runner, b), send(runner, x)), 10)
         received = list(runner.tensor_part_reducer.num_parts_received)
         runner.finalize()
@@ -355,6 +368,31 @@ def test_a_reducer_refuses_an_excluded_sender_and_weighs_by_gathered_weights():
     for reply in replies[:2]:
         assert [m.code for m in reply] == [averaging_pb2.AVERAGED_PART]
         assert torch.equal(decode(reply[0].tensor_part), expected)
+
+
+def test_a_reducer_holds_its_reply_stream_open_until_the_sender_closes_it():
+    """p2pd may reset a stream whose handler returned before the caller read the last reply (2 of 554
+    reply streams in a 16-learner run): the reducer's handler stays open after its reply, for the sender
+    to close."""
+    me, a, b, x = (_peer(i) for i in range(4))
+    codec = get_codec("none")
+
+    async def scenario():
+        runner = _aux_reducer(me, a, b, x, codec)
+        handlers = {peer: runner.rpc_aggregate_part(_one_part(codec, torch.ones(6)), SimpleNamespace(remote_id=peer))
+                    for peer in (a, b)}
+        replies = await asyncio.wait_for(asyncio.gather(*(anext(h) for h in handlers.values())), 10)
+        rest = [asyncio.ensure_future(anext(h, None)) for h in handlers.values()]
+        done, _ = await asyncio.wait(rest, timeout=0.3)
+        for task in rest:  # the senders close their streams: hivemind cancels the handlers
+            task.cancel()
+        ended, _ = await asyncio.wait(rest, timeout=1)
+        runner.finalize()
+        return replies, len(done), len(ended)
+
+    replies, ended_by_themselves, ended_when_closed = asyncio.run(scenario())
+    assert [m.code for m in replies] == [averaging_pb2.AVERAGED_PART] * 2
+    assert (ended_by_themselves, ended_when_closed) == (0, 2)
 
 
 def test_radial_averaging_weighs_norms_by_the_bounded_weights():

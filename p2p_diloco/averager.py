@@ -40,6 +40,7 @@ from p2p_diloco.lifecycle import die_with_parent, read_whole_messages, serialize
 from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, download_key
 from p2p_diloco.state_downloads import StateDownloads
+from p2p_diloco.strong_tasks import keep_tasks_alive
 
 logger = get_logger(__name__)
 
@@ -115,6 +116,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         super().run()
 
     async def _step(self, **kwargs):
+        keep_tasks_alive(asyncio.get_running_loop())  # a cancelled round's matchmaking must end, not be collected
         mm = self._matchmaking  # hivemind builds it in the averager process; every round passes here first
         if not isinstance(mm.group_key_manager, SignedGroupKeyManager):
             mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
+import hivemind.averaging.averager
 import msgpack
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
@@ -40,7 +41,7 @@ from p2p_diloco.lifecycle import die_with_parent, read_whole_messages, serialize
 from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, download_key
 from p2p_diloco.state_downloads import StateDownloads
-from p2p_diloco.strong_tasks import keep_tasks_alive
+from p2p_diloco.strong_tasks import in_loops_made_by
 
 logger = get_logger(__name__)
 
@@ -113,10 +114,10 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         die_with_parent(self._parent_pid)
         cap_stream_messages()  # parts, replies and downloads come through this process's streams
         read_whole_messages(self)
+        in_loops_made_by(hivemind.averaging.averager)  # a cancelled round's matchmaking must end, not be collected
         super().run()
 
     async def _step(self, **kwargs):
-        keep_tasks_alive(asyncio.get_running_loop())  # a cancelled round's matchmaking must end, not be collected
         mm = self._matchmaking  # hivemind builds it in the averager process; every round passes here first
         if not isinstance(mm.group_key_manager, SignedGroupKeyManager):
             mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner)

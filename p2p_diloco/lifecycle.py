@@ -25,6 +25,7 @@ from p2p_diloco.admission import Admission, gated_p2p
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.signed_records import CheckedOnce, IdentityKey, OwnedRecords, owner_marker
+from p2p_diloco.strong_tasks import in_loops_made_by
 from p2p_diloco.traffic import counting_p2p
 
 _PR_SET_PDEATHSIG = 1
@@ -138,10 +139,12 @@ class LinkedDHT(hivemind.DHT):
         die_with_parent(self._parent_pid)
         cap_stream_messages()
         read_whole_messages(self)
-        # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes one that
-        # counts its RPCs (p2p_diloco/traffic.py) and, in a private swarm, is gated.
+        import hivemind.dht.dht
         import hivemind.dht.node
 
+        in_loops_made_by(hivemind.dht.dht)  # its request tasks, which hivemind does not keep
+        # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes one that
+        # counts its RPCs (p2p_diloco/traffic.py) and, in a private swarm, is gated.
         hivemind.dht.node.P2P = counting_p2p(gated_p2p(self.admission))
         super().run()
 

@@ -12,13 +12,15 @@ running"). ``begin_search`` never leaves its ``async with self.lock_search``, an
 of that averager waits on the lock for ever: in a 16-learner run (2026-12-04) one learner missed the
 round after its first cancelled one and every round after that, 19 in a row (docs/scale.md).
 
-:func:`keep_tasks_alive` makes the loop create every task with a strong reference held until it is done.
+:func:`keep_tasks_alive` makes a loop create every task with a strong reference held until it is done;
+:func:`in_loops_made_by` does it for the loops of hivemind's DHT and averager processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from types import ModuleType
 from typing import Any
 
 
@@ -39,3 +41,20 @@ def keep_tasks_alive(loop: asyncio.AbstractEventLoop) -> None:
 
     create.keeps_tasks_alive = True  # type: ignore[attr-defined]
     loop.set_task_factory(create)  # type: ignore[arg-type]
+
+
+def in_loops_made_by(module: ModuleType) -> None:
+    """In this process, every event loop that ``module`` makes with hivemind's ``switch_to_uvloop`` keeps its
+    tasks alive. For hivemind's DHT and averager processes, before their loop starts: both create
+    their request tasks without keeping them (``hivemind.dht.dht``, ``hivemind.averaging.averager``)."""
+    make = module.switch_to_uvloop
+    if getattr(make, "keeps_tasks_alive", False):
+        return
+
+    def switch_to_uvloop() -> asyncio.AbstractEventLoop:
+        loop = make()
+        keep_tasks_alive(loop)
+        return loop
+
+    switch_to_uvloop.keeps_tasks_alive = True  # type: ignore[attr-defined]
+    module.switch_to_uvloop = switch_to_uvloop  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.strong_tasks import keep_tasks_alive
+from p2p_diloco.strong_tasks import in_loops_made_by, keep_tasks_alive
 
 
 class _WeaklyAnsweringKeys:
@@ -72,22 +72,27 @@ async def _cancel_a_search(keep: bool) -> tuple[bool, int]:
     return leaders.lock_search.locked(), keys.undeclared
 
 
+def _run(loop: asyncio.AbstractEventLoop, keep: bool) -> tuple[bool, int]:
+    """Run the scenario, then cancel what hivemind left waiting (its Event.wait tasks) and close the loop."""
+    try:
+        return loop.run_until_complete(_cancel_a_search(keep))
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.close()
+
+
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
 def test_a_cancelled_search_un_declares_and_releases_its_lock(loop_kind):
     loop = uvloop.new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
-    try:
-        assert loop.run_until_complete(_cancel_a_search(keep=True)) == (False, 1)
-    finally:
-        loop.close()
+    assert _run(loop, keep=True) == (False, 1)
 
 
 def test_without_strong_references_the_collector_leaves_the_search_locked_for_ever():
     """What happened to a learner in a 16-learner run; if this stops holding, hivemind or asyncio changed."""
-    loop = asyncio.new_event_loop()
-    try:
-        assert loop.run_until_complete(_cancel_a_search(keep=False)) == (True, 0)
-    finally:
-        loop.close()
+    assert _run(asyncio.new_event_loop(), keep=False) == (True, 0)
 
 
 def test_keep_tasks_alive_is_idempotent_and_keeps_a_previous_factory():
@@ -108,3 +113,14 @@ def test_keep_tasks_alive_is_idempotent_and_keeps_a_previous_factory():
         assert len(made) == 1
     finally:
         loop.close()
+
+
+def test_the_loops_a_module_makes_keep_their_tasks():
+    module = SimpleNamespace(switch_to_uvloop=asyncio.new_event_loop)
+    in_loops_made_by(module)
+    patched = module.switch_to_uvloop
+    in_loops_made_by(module)
+    assert module.switch_to_uvloop is patched
+    loop = module.switch_to_uvloop()
+    assert getattr(loop.get_task_factory(), "keeps_tasks_alive", False)
+    assert _run(loop, keep=False) == (False, 1)

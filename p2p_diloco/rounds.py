@@ -84,7 +84,9 @@ class Rounds:
     # Steps schedule: added to the step counter to find due fragments; moved when we re-join the
     # swarm's rounds after losing phase with it (see rephase).
     phase_shift: int = 0
-    out_of_phase: bool = False  # the last round on the steps schedule ended without a commit
+    # No phase with the swarm yet (no round of ours committed since we started), or the last round on the
+    # steps schedule ended without a commit: rephase looks for the swarm's round.
+    out_of_phase: bool = True
     next_phase_look: float = 0.0  # monotonic time of the next DHT look for the others' rounds
     waits: int = 0  # slots in a row at which we were late for the swarm's round and waited for its next
     metrics: Metrics = field(default_factory=Metrics)
@@ -277,14 +279,17 @@ class Rounds:
         return target is not None and self.state.states[fragment].version >= target
 
     def rephase(self) -> None:
-        """Steps schedule: after a round without a commit, join a round the others are forming now.
+        """Steps schedule: before our first commit, and after a round without one, join a round the others
+        are forming now.
 
         One asymmetric round can put two learners' step counters a whole search apart for good
         (docs/design.md, "Re-phasing on the steps schedule"). So while our last round failed, and no
         round of ours runs, we look in the DHT (at most once per matchmaking time) for peers looking
         for a group at a fragment and version we hold; if there are some, we move our schedule so
         that this fragment is due now. Only the learner whose round failed moves, into a search
-        already under way: nobody waits longer than one search.
+        already under way: nobody waits longer than one search. A learner that has just started (or
+        restarted) has no phase yet: it joins the swarm's round in the same way, with the steps it has
+        (at least one), instead of reaching its own slot after the swarm's group has formed.
         """
         if self.clock is not None or not self.out_of_phase or self.inflight is not None or self.detached is not None:
             return
@@ -292,9 +297,10 @@ class Rounds:
         if now < self.next_phase_look:
             return
         self.next_phase_look = now + self.cfg.averaging.matchmaking_time
-        h, steps = self.cfg.inner.steps_per_outer, self.state.counters.inner_steps
+        h, c = self.cfg.inner.steps_per_outer, self.state.counters
+        steps = c.inner_steps
         for frag in self.state.fragments:
-            if frag.index in self.pending or self.at_target(frag.index):
+            if frag.index in self.pending or self.at_target(frag.index) or not c.steps_since_merge[frag.index]:
                 continue
             try:
                 others = self.averaging.searching_peers(frag.index, self.state.states[frag.index].version)

@@ -22,6 +22,8 @@ def _learner(searching: dict[tuple[int, int], int], steps: int, overlap: int = 2
     fragments = build_fragments([(f"w{i}", torch.Size([10])) for i in range(P)], P, H)
     state = LearnerState(fragments=fragments, states=[SimpleNamespace(version=7) for _ in range(P)], params=[])
     state.counters.inner_steps = steps
+    state.counters.resize(P)
+    state.counters.steps_since_merge = [5] * P
     none = SimpleNamespace()
     return Rounds(cfg, state, FakeAveraging(searching=searching), none, none, None, none, none, lambda: None)
 
@@ -37,8 +39,20 @@ def _due_steps(learner: Rounds, fragment: int, steps: range) -> list[int]:
 
 def test_in_phase_no_dht_look():
     learner = _learner({(2, 7): 1}, steps=103)
+    learner.out_of_phase = False  # our last round committed
     learner.rephase()
     assert learner.averaging.looks == 0 and not learner.pending
+
+
+def test_a_learner_that_just_started_joins_the_swarms_round_once_it_has_steps_to_give():
+    learner = _learner({(2, 7): 1}, steps=0)
+    learner.state.counters.steps_since_merge = [0] * P
+    learner.rephase()  # no phase yet, but nothing to contribute
+    assert not learner.pending
+    learner.state.counters.inner_steps, learner.state.counters.steps_since_merge = 4, [4] * P
+    learner.next_phase_look = 0.0
+    learner.rephase()
+    assert list(learner.pending) == [2] and [f.index for f in learner.due()] == [2]
 
 
 def test_out_of_phase_joins_the_round_the_others_form_and_keeps_their_phase():
@@ -82,6 +96,7 @@ def test_a_learner_late_for_the_swarms_round_takes_its_state_and_waits_for_its_n
     """Each late learner starting a round at the new version at once split 8 learners into two halves
     whose rounds took turns (benchmarks/scale_swarm.py): a late learner now joins the swarm's next round."""
     learner = _learner({}, steps=110, overlap=0)  # fragment 2's slot (step % 20 == 10): due now
+    learner.out_of_phase = False  # in phase until now
     adopted = []
 
     def start(background=False):
@@ -129,6 +144,7 @@ def test_after_two_late_slots_in_a_row_a_learner_rounds_at_once_and_a_merge_is_n
 def test_on_the_clock_schedule_a_learner_that_took_a_state_at_its_slot_rounds_in_it():
     learner = _learner({}, steps=110, overlap=0)
     learner.clock = object()  # everyone's slot is the same wall-clock time
+    learner.out_of_phase = False
     started = []
     learner.start = lambda frag, background=None: started.append(frag.index)
     learner.catch_up = SimpleNamespace(start=lambda background=False: [2], downloading=lambda f: False)

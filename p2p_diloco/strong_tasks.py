@@ -1,4 +1,4 @@
-"""Tasks that cannot be garbage-collected while pending, in the event loop of hivemind's averager process.
+"""Tasks that cannot be garbage-collected while pending, in the event loops of hivemind's DHT and averager processes.
 
 asyncio keeps only weak references to tasks: a task is kept alive by whoever awaits it or by the
 future it waits on, and a task nobody awaits any more that waits on a future only it can reach is

@@ -100,6 +100,11 @@ class InnerConfig(_Section):
         "constant", description="after warm-up: keep lr, or decay it along a cosine to min_lr_ratio·lr at "
                                 "decay_steps (see lr_schedule.py for where a learner stands in it)")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from lr/warmup_steps to lr")
+    rejoin_warmup_steps: int = Field(
+        20, ge=0, le=100_000,
+        description="a learner whose AdamW starts fresh past the schedule's start (it joined a run in progress, "
+                    "or restarted without a checkpoint) ramps its lr up over this many steps: Adam's first steps "
+                    "are sign-like and would make an outlier of its first outer gradient (0 = off)")
     decay_steps: int | None = Field(
         None, ge=1, description="cosine: schedule position where the decay ends (default: run.max_outer_steps · H)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: the final lr as a fraction of lr")

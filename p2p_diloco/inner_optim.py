@@ -43,6 +43,10 @@ class AdamW:
         self.state: dict[int, dict[str, torch.Tensor]] = {}
         self.foreach = foreach
 
+    def steps_taken(self) -> int:
+        """How many updates this optimizer's state holds (its most-stepped parameter's count); 0 when fresh."""
+        return int(max((float(s["step"]) for s in self.state.values()), default=0.0))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients: drop them (``set_to_none``, torch's default) or zero them in place."""
         for p in self.params:

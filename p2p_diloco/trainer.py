@@ -223,6 +223,9 @@ class Trainer:
         )
         self.lr_position = SchedulePosition(cfg.inner.steps_per_outer)
         self.lr_at = 0  # schedule position of the last inner step (logged with its lr)
+        # Steps of the re-warm-up (:meth:`_rewarmed`), decided at this trainer's first step; None before it.
+        self.rewarm_steps: int | None = None
+        self._rewarmed_steps = 0
         self.meter = Throughput(sum(p.numel() for p in self.params), placement.peak_flops)
         self._eval_model: torch.nn.Module | None = None  # a second copy, for evaluating Θ on the device
         self.sharded: ShardedModel | None = None  # the model sharded over a unit's workers (:meth:`join_sharded`)
@@ -238,10 +241,34 @@ class Trainer:
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.inner.grad_clip)
         self.lr_at = self.lr_position.step(version)
-        self.inner_opt.lr = inner_lr(self.inner, self.lr_at, self.decay_steps)
+        self.inner_opt.lr = self._rewarmed(inner_lr(self.inner, self.lr_at, self.decay_steps))
         self.inner_opt.step()
         self.meter.add(x.numel() * self.workers)
         return loss.item()
+
+    def _rewarmed(self, lr: float) -> float:
+        """``lr`` times the re-warm-up factor: (k + 1) / W for the first W = ``inner.rejoin_warmup_steps`` steps of
+        an AdamW that took its first step fresh at a schedule position past 0, else 1.
+
+        Adam's first update is ±lr on every coordinate (bias correction divides a one-sample mean by its
+        own magnitude). A learner that joins a run in progress (or restarts without its checkpoint) and meets
+        a round after a step or two would send an outer gradient per inner step some 13x the others' (who
+        sent ~90 steps each); the outlier rule leaves it out and its groupmates ban it for their next
+        rounds (docs/design.md, "The inner learning rate follows the global version"). At the run's start
+        every optimizer is fresh alike: nothing changes there, nor after a checkpoint's optimizer state was
+        loaded. Decided once, at the first step, from the optimizer's own step count: the workers of a unit
+        (which take rank 0's moments) agree.
+        """
+        if self.rewarm_steps is None:
+            fresh = self.inner_opt.steps_taken() == 0 and self.lr_at > 0
+            self.rewarm_steps = self.inner.rejoin_warmup_steps if fresh else 0
+            if self.rewarm_steps:
+                logger.info(f"inner optimizer starts fresh at schedule step {self.lr_at}, past the run's start: its "
+                            f"lr ramps up over {self.rewarm_steps} steps")
+        if self._rewarmed_steps >= self.rewarm_steps:
+            return lr
+        self._rewarmed_steps += 1
+        return lr * self._rewarmed_steps / self.rewarm_steps
 
     def join_unit(self, train_model: torch.nn.Module, workers: int) -> None:
         """Train through ``train_model`` (the model wrapped in DDP) as one of ``workers`` workers of a

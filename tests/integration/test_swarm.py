@@ -60,17 +60,24 @@ def test_late_learner_catches_up_to_the_same_state(swarm):
     # version · H + min(steps on it, H) (H = 20), never ahead of the version v the line is logged at
     # (the line comes after the step, when a round or a download may already have moved v on, by
     # more than one version in a download), never moving backwards. The newcomer, which joined at
-    # version >= 2, never warms up again.
+    # version >= 2, does not warm up again along the schedule; its fresh AdamW ramps the lr up over
+    # its own first inner.rejoin_warmup_steps (20) steps, and it is never left out of a round as an
+    # outlier (a fresh AdamW's first steps without the ramp were 13x the others' per inner step).
     cfg = load_learner_config(SMALL, ["inner.steps_per_outer=20", "inner.lr_schedule=cosine",
                                       "inner.warmup_steps=20", "run.max_outer_steps=8"])
+    ramp = cfg.inner.rejoin_warmup_steps
+    assert "outer round not committed (excluded" not in late.text(), late.text()
+    assert "its lr ramps up over 20 steps" in late.text() and not any("ramps up" in p.text() for p in first)
     for p in [*first, late]:
-        seen = [(int(v), float(lr), int(pos)) for v, lr, pos in
-                re.findall(r"round=(\d+)\] inner .*steps/s, lr (\S+) at schedule step (\d+)\)", p.text())]
+        seen = [(int(k), int(v), float(lr), int(pos)) for k, v, lr, pos in re.findall(
+            r"step=(\d+) round=(\d+)\] inner .*steps/s, lr (\S+) at schedule step (\d+)\)", p.text())]
         assert seen, p.text()
-        for v, lr, pos in seen:
-            assert lr == pytest.approx(inner_lr(cfg.inner, pos, cfg.decay_steps), rel=0.006), (p.name, v, lr, pos)
+        for k, v, lr, pos in seen:
+            factor = min(1.0, k / ramp) if p is late else 1.0  # k: the steps its AdamW took
+            assert lr == pytest.approx(factor * inner_lr(cfg.inner, pos, cfg.decay_steps), rel=0.006), \
+                (p.name, k, v, lr, pos)
             assert pos <= (v + 1) * 20, (p.name, v, pos)  # at most H steps count on one version
-        assert [pos for _, _, pos in seen] == sorted(pos for _, _, pos in seen), (p.name, seen)
+        assert [pos for _, _, _, pos in seen] == sorted(pos for _, _, _, pos in seen), (p.name, seen)
     assert min(pos for pos in map(int, re.findall(r"at schedule step (\d+)\)", late.text()))) >= 40
     assert min(int(v) for v in re.findall(r"round=(\d+)\] inner ", late.text())) >= 2
 

@@ -217,6 +217,32 @@ def test_checkpoint_entries_continue_training_identically():
     assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
 
 
+def _lrs(trainer: Trainer, versions: list[int]) -> list[float]:
+    lrs = []
+    for version, (x, y) in zip(versions, _batches(len(versions)), strict=True):
+        trainer.step(x, y, version)
+        lrs.append(trainer.inner_opt.lr)
+    return lrs
+
+
+def test_a_fresh_optimizer_past_the_schedules_start_ramps_its_lr_up():
+    """A learner that joins at version 2 (schedule position 2·H) with a fresh AdamW ramps its lr over
+    inner.rejoin_warmup_steps steps, then follows the schedule; at the run's start, with a loaded
+    optimizer state, or with the setting at 0, the lr is the schedule's from the first step."""
+    cfg = _cfg("inner.rejoin_warmup_steps=4")
+    lr = cfg.inner.lr  # past the schedule's warm-up of 3 steps, the constant lr
+    joined = _trainer(cfg)
+    assert _lrs(joined, [2] * 6) == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr, lr])
+    assert joined.rewarm_steps == 4
+    at_start = _trainer(cfg)
+    assert _lrs(at_start, [0] * 5) == pytest.approx([inner_lr(cfg.inner, k, None) for k in range(5)])
+    assert at_start.rewarm_steps == 0
+    resumed = _trainer(cfg)
+    resumed.inner_opt.load_state_dict(at_start.inner_opt.state_dict())
+    assert _lrs(resumed, [2, 2]) == pytest.approx([lr, lr])
+    assert _lrs(_trainer(_cfg("inner.rejoin_warmup_steps=0")), [2, 2]) == pytest.approx([lr, lr])
+
+
 def test_report_says_what_hardware_trained():
     report = _trainer(_cfg()).report(tokens=6400, seconds=2.0)
     assert report["device"] == "cpu" and report["precision"] == "fp32" and report["mfu"] is None

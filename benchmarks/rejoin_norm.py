@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(trainer, sampler, steps: int, h: int, first: int, start, fragments, at: set[int]) -> dict[int, list[float]]:
+def train(trainer, sampler, steps: int, h: int, first: int, start=(), fragments=(),
+          at: frozenset[int] | set[int] = frozenset()) -> dict[int, list[float]]:
     """``steps`` inner steps from schedule position ``first`` (version = position // H, as at equal speeds);
     after each step count in ``at``, the norm per inner step of θ − ``start`` in each fragment."""
     norms: dict[int, list[float]] = {}
@@ -87,8 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     fragments = [list(f.tensor_indices) for f in state.fragments]
     ks = sorted(set(map(int, args.first_round.split(","))))
     began = time.perf_counter()
-    initial = [p.detach().clone() for p in swarm.params]
-    train(swarm, load_data(cfg, 0, tokenizer).sampler, args.before, h, 0, initial, fragments, set())
+    train(swarm, load_data(cfg, 0, tokenizer).sampler, args.before, h, 0)
     start = [p.detach().clone() for p in swarm.params]
     default = cfg.inner.rejoin_warmup_steps
     arms = {"along": None, "fresh": 0, **{f"fresh, re-warm-up {w}": w
@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     # arm -> k -> one list of per-fragment norms per step for each newcomer shard
     norms: dict[str, dict[int, list[list[float]]]] = {a: {k: [] for k in [*ks, args.yardstick]} for a in arms}
     for shard in range(1, args.shards + 1):
+        sampler = load_data(cfg, shard, tokenizer).sampler  # read once; every arm takes the same batches
         for arm, rewarm in arms.items():
             arm_cfg = cfg.model_copy(update={"inner": cfg.inner.model_copy(
                 update={"rejoin_warmup_steps": default if rewarm is None else rewarm})})
@@ -107,8 +108,8 @@ def run(args: argparse.Namespace) -> dict:
                 trainer.inner_opt.load_state_dict(copy.deepcopy(swarm.inner_opt.state_dict()))
             trainer.lr_position.load([args.before // h, args.before % h])
             at = {*ks, args.yardstick} if rewarm is None else set(ks)
-            got = train(trainer, load_data(arm_cfg, shard, tokenizer).sampler, max(at), h, args.before, start,
-                        fragments, at)
+            sampler.cursor = 0
+            got = train(trainer, sampler, max(at), h, args.before, start, fragments, at)
             for k, n in got.items():
                 norms[arm][k].append(n)
             print(f"shard {shard} {arm:>24}: norm per inner step by fragment after k steps: " + "; ".join(

@@ -216,8 +216,9 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
     if rules.norm_outlier_factor > 0:
         # Per inner step: an honest learner that missed rounds sends the progress of many steps at once.
         rates = {p: n / steps[p] for p, n in norms.items()}
-        logger.debug("norms per inner step: " + ", ".join(f"{p[-6:]} {r:.3g} ({s} steps)" for p, r, s in
-                                                          ((p, r, steps[p]) for p, r in sorted(rates.items()))))
+        if logger.isEnabledFor(logging.DEBUG):  # judged every round: no string built when nobody reads it
+            logger.debug("norms per inner step: " + ", ".join(f"{p[-6:]} {rates[p]:.3g} ({steps[p]} steps)"
+                                                              for p in sorted(rates)))
         for peer, rate in rates.items():
             others = [r for q, r in rates.items() if q != peer]
             if others and rate > rules.norm_outlier_factor * (median := statistics.median(others)):

@@ -2,7 +2,8 @@
 
 The loop (:meth:`Learner.run`), top to bottom::
 
-    set up (startup.py) → download the newest global state if the swarm is ahead (catch_up.py)
+    set up (startup.py; meanwhile a head start: the first eval, and inner steps from a checkpoint)
+    download the newest global state if the swarm is ahead (catch_up.py)
     repeat until every fragment's global version reaches --max-outer-steps (or Ctrl+C / SIGTERM):
         one inner step on the local shard, on run.device (trainer.py); in a torchrun unit, every worker
         takes it on its own part of the shard, in step with this one, rank 0 (unit.py)
@@ -38,10 +39,14 @@ from p2p_diloco.checkpoint import FORMAT
 from p2p_diloco.config import LearnerConfig
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan
+from p2p_diloco.fragments import due_fragments
+from p2p_diloco.head_start import HeadStart
 from p2p_diloco.leader import Solo, UnitHooks
+from p2p_diloco.learner_state import LearnerState
 from p2p_diloco.parting import Leaving, hand_over, linger
-from p2p_diloco.startup import Parts, set_up
+from p2p_diloco.startup import LocalData, Parts, set_up
 from p2p_diloco.traffic import read_traffic
+from p2p_diloco.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ class Learner:
         self._checkpointed: tuple[int, ...] | None = None  # counters at the last checkpoint
         self._checkpoint_time = time.monotonic()  # when the last one was handed to the writer
         self._loop_started = time.perf_counter()  # this run's training loop (train_seconds counts earlier runs)
+        self._head_losses: list[float] = []  # losses of the inner steps taken during the set-up
+        self._head_seconds = 0.0  # the set-up's time spent on them
 
     @property
     def parts(self) -> Parts:
@@ -76,7 +83,8 @@ class Learner:
         """Set up, train until the target version (or a stop signal), leave; returns :meth:`summary`."""
         peer_log.install()
         try:
-            p = self._parts = set_up(self.cfg, self.faults, self.leaving, on_commit=self.checkpoint)
+            p = self._parts = set_up(self.cfg, self.faults, self.leaving, on_commit=self.checkpoint,
+                                     head_start=self._head_start)
             self.unit.attach(p.trainer, p.data, p.state)
             p.progress.publish()
             p.progress.start()
@@ -87,7 +95,7 @@ class Learner:
                 logger.info(f"eval_loss {c.first_eval_loss:.4f} before training")
             train_started = time.perf_counter()
             self._train()
-            c.train_seconds += time.perf_counter() - train_started
+            c.train_seconds += time.perf_counter() - train_started + self._head_seconds
             p.metrics.update(p.state)
             if self.finished():
                 p.progress.publish("done")
@@ -106,7 +114,7 @@ class Learner:
         every = cfg.run.checkpoint_every_seconds
         self.leaving.training = True
         self._loop_started = time.perf_counter()
-        losses: list[float] = []
+        losses, self._head_losses = self._head_losses, []
         t.meter.reset()
         while self.unit.sync(go=not self.stop.is_set() and not self.finished()):
             losses.append(self._inner_step())
@@ -114,10 +122,8 @@ class Learner:
             if every is not None and time.monotonic() - self._checkpoint_time >= every:
                 self.checkpoint()  # a kill loses at most `every` seconds of steps, not a whole period's
             if c.inner_steps % cfg.run.log_every == 0:
-                recent = losses[-cfg.run.log_every:]
-                logger.info(f"inner {c.inner_steps % h or h}/{h} loss {sum(recent) / len(recent):.4f} "
-                            f"({t.meter.rates()}, lr {t.inner_opt.lr:.2e} at schedule step {t.lr_at})")
-                p.metrics.update(p.state, train_loss=sum(recent) / len(recent), lr=t.inner_opt.lr)
+                recent = self._log_inner(t, c.inner_steps, losses)
+                p.metrics.update(p.state, train_loss=recent, lr=t.inner_opt.lr)
             if c.inner_steps % h == 0:
                 self._end_of_outer_step(losses)
                 losses = []
@@ -133,30 +139,72 @@ class Learner:
         self.unit.finish()
         p.writer.flush()
 
+    def _log_inner(self, t: Trainer, steps: int, losses: list[float]) -> float:
+        """Log the mean loss of the last run.log_every inner steps (returned), the step rate and the lr."""
+        recent = losses[-self.cfg.run.log_every:]
+        mean, h = sum(recent) / len(recent), self.cfg.inner.steps_per_outer
+        logger.info(f"inner {steps % h or h}/{h} loss {mean:.4f} ({t.meter.rates()}, lr {t.inner_opt.lr:.2e} "
+                    f"at schedule step {t.lr_at})")
+        return mean
+
+    def _head_start(self, trainer: Trainer, state: LearnerState, data: LocalData, resumed: bool) -> HeadStart | None:
+        """What the learner does while its DHT joins (:mod:`p2p_diloco.head_start`): the eval before training,
+        if it has none yet, then, if it ``resumed`` from its checkpoint, inner steps up to the end of the
+        outer step. Not in a unit of several workers, whose steps go in step with the others."""
+        if not isinstance(self.unit, Solo):
+            return None
+        c, h = state.counters, self.cfg.inner.steps_per_outer
+        steps_schedule = self.cfg.sync.schedule != "clock"
+        trainer.meter.reset()
+
+        def work() -> bool:
+            if c.first_eval_loss is None:
+                c.first_eval_loss = trainer.evaluate(data.eval_batches)
+                logger.info(f"eval_loss {c.first_eval_loss:.4f} before training")
+                return resumed
+            step = c.inner_steps + 1
+            if (self.stop.is_set() or not resumed or step % h == 0 or self.faults.due("inner", state.version + 1)
+                    or (steps_schedule and due_fragments(state.fragments, step, h))):
+                return False  # the outer step's end, a fragment's round, an injected fault: the training loop's
+            started = time.perf_counter()
+            self._head_losses.append(self._take_step(trainer, data, state)[0])
+            self._head_seconds += time.perf_counter() - started
+            if c.inner_steps % self.cfg.run.log_every == 0:
+                self._log_inner(trainer, c.inner_steps, self._head_losses)
+            return True
+
+        return HeadStart(work)
+
     def _inner_step(self) -> float:
-        """One inner step on the next local batch (:meth:`Trainer.step <p2p_diloco.trainer.Trainer.step>`) and
-        its bookkeeping: injected faults, compute time, the tokens and steps each fragment has not merged."""
-        p, cfg = self.parts, self.cfg
-        c = p.state.counters
+        """One inner step of the training loop (:meth:`_take_step`); the rounds measure its time."""
+        p = self.parts
         if self.faults.due("inner", p.state.version + 1):
             p.writer.flush()  # the fault hits the inner steps, not a checkpoint write still under way
-        self.faults.fire("inner", p.state.version + 1)
+        loss, elapsed = self._take_step(p.trainer, p.data, p.state)
+        p.rounds.observe_step(elapsed)
+        return loss
+
+    def _take_step(self, trainer: Trainer, data: LocalData, state: LearnerState) -> tuple[float, float]:
+        """One inner step on the next local batch (:meth:`Trainer.step <p2p_diloco.trainer.Trainer.step>`) and
+        its bookkeeping: injected faults, compute time, the tokens and steps each fragment has not merged.
+        Returns the loss and the step's seconds."""
+        c = state.counters
+        self.faults.fire("inner", state.version + 1)
         started = time.perf_counter()
-        x, y = p.data.sampler.next_batch()
+        x, y = data.sampler.next_batch()
         with self.unit.stepping():
-            loss = p.trainer.step(x, y, p.state.version)
-        if cfg.inner.extra_step_seconds:
-            time.sleep(cfg.inner.extra_step_seconds)
+            loss = trainer.step(x, y, state.version)
+        if self.cfg.inner.extra_step_seconds:
+            time.sleep(self.cfg.inner.extra_step_seconds)
         elapsed = time.perf_counter() - started
         c.compute_seconds += elapsed
-        p.rounds.observe_step(elapsed)
         c.inner_steps += 1
-        tokens = x.numel() * p.trainer.workers  # each worker of a unit took this step on its own batch
+        tokens = x.numel() * trainer.workers  # each worker of a unit took this step on its own batch
         c.tokens += tokens
-        for f in range(len(p.state.fragments)):
+        for f in range(len(state.fragments)):
             c.tokens_since_merge[f] += tokens
             c.steps_since_merge[f] += 1
-        return loss
+        return loss, elapsed
 
     def _end_of_outer_step(self, losses: list[float]) -> None:
         p, cfg = self.parts, self.cfg

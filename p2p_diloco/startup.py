@@ -1,8 +1,10 @@
 """Start-up of a learner: checkpoint directory, DHT, lineage id, data, model, restore, averager.
 
 The DHT's process (and its p2pd) boots and joins the swarm while this process reads its data and
-builds the model and optimizer: a restart pays the longer of the two, not both. Whatever was started
-before a failure is shut down again before the error reaches the caller.
+builds the model and optimizer: a restart pays the longer of the two, not both. While the rest of the
+set-up waits on the network, the learner gets a head start (:mod:`p2p_diloco.head_start`): its first
+eval and, resumed from a checkpoint, inner steps. Whatever was started before a failure is shut down
+again before the error reaches the caller.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
@@ -41,6 +44,7 @@ from p2p_diloco.errors import LearnerError
 from p2p_diloco.faults import FaultPlan, forged_states
 from p2p_diloco.fragments import ClockSchedule, build_fragments
 from p2p_diloco.grace import GraceWindow
+from p2p_diloco.head_start import HeadStart
 from p2p_diloco.hivemind_averaging import HivemindAveraging, averaging_prefix, download_priority_key
 from p2p_diloco.learner_state import Counters, LearnerState, Unconfirmed
 from p2p_diloco.lifecycle import LinkedDHT, start_dht, wait_until_joined
@@ -230,18 +234,25 @@ def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, whe
     return int(payload["sampler_cursor"])
 
 
-def set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: Callable[[], None]) -> Parts:
-    """Start every part of a learner; on failure, shut down what was started and raise."""
+# Given the trainer, state and data once they are built, and whether a checkpoint was restored into
+# them: the work to do while the DHT joins (None: none).
+HeadStarter = Callable[[Trainer, LearnerState, LocalData, bool], "HeadStart | None"]
+
+
+def set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: Callable[[], None],
+           head_start: HeadStarter | None = None) -> Parts:
+    """Start every part of a learner; on failure, shut down what was started and raise. ``head_start``
+    makes the work that runs while the network part of the set-up waits; it has ended when this returns."""
     closer = contextlib.ExitStack()
     try:
-        return _set_up(cfg, faults, leaving, on_commit, closer)
+        return _set_up(cfg, faults, leaving, on_commit, closer, head_start)
     except BaseException:
         closer.close()
         raise
 
 
 def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: Callable[[], None],
-            closer: contextlib.ExitStack) -> Parts:
+            closer: contextlib.ExitStack, head_start: HeadStarter | None) -> Parts:
     began = time.monotonic()
     torch.set_num_threads(cfg.run.threads)
     tokenizer = refuse_bad_input(cfg)
@@ -267,17 +278,32 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     dhts = [start(wait=False, client_mode=net.client_mode is True)]
     closer.callback(lambda: dhts[-1].shutdown())  # the one running: a client's DHT is started again
     local_work = time.monotonic()
-    data = load_data(cfg, cfg.data.shard_index, tokenizer) if cfg.data.shard_index is not None else None
+    shard = cfg.data.shard_index
+    if shard is None:  # the DHT's peer ID is our identity's
+        shard = shard_for_peer(PeerID.from_base58(peer_id_of(identity)).to_bytes(), cfg.data.num_shards)
+    data = load_data(cfg, shard, tokenizer)
     trainer, state = build(cfg, tokenizer)
     # The clock starts at the next slot of each fragment: made before the DHT wait, as slots open meanwhile.
     clock = (ClockSchedule(state.fragments, cfg.sync.period_seconds, get_dht_time())
              if cfg.sync.schedule == "clock" else None)
     peer_log.set_position(lambda: (state.counters.inner_steps, state.version))
-    cursor = restore(payload, trainer, state, ckpt_dir) if payload is not None else None
+    if payload is not None:
+        data.sampler.cursor = restore(payload, trainer, state, ckpt_dir)
     state.refresh_served()
     local_work = time.monotonic() - local_work
+    head = head_start(trainer, state, data, payload is not None) if head_start is not None else None
+    pause = head.paused if head is not None else contextlib.nullcontext
+    if head is not None:
+        closer.callback(head.stop)  # first of all on a failure below
+        head.start()
+    steps_before = state.counters.inner_steps
+
+    def start_paused(**kwargs: Any) -> LinkedDHT:  # a fork copies no step under way
+        with pause():
+            return start(**kwargs)
+
     waited = time.monotonic()
-    dht, reach = _reach(net, dhts, start)
+    dht, reach = _reach(net, dhts, start_paused)
     lineage, progress = _join(cfg, dht, state, payload, lineage_id(cfg, trainer.model_files, tokenizer.fingerprint))
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
@@ -287,10 +313,6 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     metrics.describe(run_id=cfg.network.run_id, lineage=lineage, peer_id=state.peer_id, version=__version__,
                      codec=",".join(sorted({cfg.codec_for(f) for f in range(cfg.sync.fragments)})))
     waited = time.monotonic() - waited
-    if data is None:
-        data = load_data(cfg, shard_for_peer(dht.peer_id.to_bytes(), cfg.data.num_shards), tokenizer)
-    if cursor is not None:
-        data.sampler.cursor = cursor
     logger.info(f"checkpoints in {ckpt_dir}; data shard {data.shard}/{cfg.data.num_shards}")
     audit = Audit.open(ckpt_dir, key, state.peer_id, cfg.run.audit_sign_every, lineage=lineage,
                        shard=data.shard, versions=state.versions, checkpoint=payload is not None)
@@ -302,8 +324,9 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
                 + f"; quorum K = {cfg.averaging.min_group_size}"
                 + (", and a majority of the learners training" if cfg.averaging.quorum == "majority" else ""))
     averager = time.monotonic()
-    averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client,
-                                 step_tokens=cfg.inner.batch_size * cfg.model.seq_len * trainer.workers)
+    with pause():  # its process forks
+        averaging = _start_averaging(cfg, dht, lineage, state, progress, leaving, faults, reach.client,
+                                     step_tokens=cfg.inner.batch_size * cfg.model.seq_len * trainer.workers)
     closer.callback(averaging.shutdown)
     averaging.on_received, averaging.on_matchmaking = state.counters.count_received, metrics.matchmaking
     # Started after hivemind forked its DHT and averager processes, so no fork sees it mid-write.
@@ -325,9 +348,12 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
         progress.pace = pace
     rounds = Rounds(cfg, state, averaging, OuterOptimizer(cfg.outer), grace, clock, catch_up, progress, after_merge,
                     certifier=board, metrics=metrics, audit=audit, pace=pace)
+    if head is not None:
+        head.finish()  # raises what the head start's work raised
     now = time.monotonic()
     logger.info(f"set up in {now - began:.1f} s after {began - STARTED:.1f} s of imports: data, model and "
-                f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s")
+                f"optimizer {local_work:.1f} s, then {waited:.1f} s more for the DHT; averager {now - averager:.1f} s; "
+                f"{state.counters.inner_steps - steps_before} inner step(s) meanwhile")
     return Parts(ckpt_dir, dht, lineage, data, trainer, state, progress, averaging, catch_up, rounds, writer, closer,
                  metrics, audit)
 

@@ -125,6 +125,9 @@ def test_sigterm_and_sigint_leave_cleanly_and_resume_continues(swarm):
     for p in again:
         assert p.wait(150) == 0, p.text()
         assert "resumed from" in p.text()
+        # Resumed some steps before its round at step 40, it trained while its DHT joined (head_start.py).
+        meanwhile = re.search(r"set up in .*; (\d+) inner step\(s\) meanwhile", p.text())
+        assert meanwhile and int(meanwhile[1]) > 0, p.text()
     _assert_one_lineage(swarm, range(2), left_at + 1)
 
 

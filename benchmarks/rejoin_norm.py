@@ -1,9 +1,10 @@
 """A learner that joins a run in progress: its first outer gradient per inner step against the swarm's.
 
-The outlier rule (p2p_diloco/exclusion.py) leaves out a contribution whose norm per inner step is above
-``averaging.norm_outlier_factor`` (8) times the median of the others'. A learner that joins with a fresh
-AdamW takes Adam's first, sign-like steps at the swarm's lr; meeting a round after one step, it was left
-out (then banned for 3 rounds) in the chaos benchmark at M = 8 (BENCHMARKS.md, Chaos, 2026-12-04 night).
+The outlier rule (p2p_diloco/exclusion.py) leaves out a contribution whose norm per √(inner steps) (per
+inner step before 2026-12-05) is above ``averaging.norm_outlier_factor`` (8) times the median of the
+others'. A learner that joins with a fresh AdamW takes Adam's first, sign-like steps at the swarm's lr;
+meeting a round after one step, it was left out (then banned for 3 rounds) in the chaos benchmark at M =
+8 (BENCHMARKS.md, Chaos, 2026-12-04 night).
 
 This script measures it without a network, on the learners' own trainer, model, data and schedule:
 
@@ -16,7 +17,12 @@ This script measures it without a network, on the learners' own trainer, model, 
 3. the norm per inner step of each one's outer gradient (θ − the swarm's θ), per fragment, after each
    step count k in ``--first-round`` (on the clock schedule a newcomer can meet a round after one step),
    and its ratio to the median over the *along* learners after ``--yardstick`` steps (the others' rounds):
-   the yardstick of the outlier rule.
+   the yardstick of the outlier rule until 2026-12-05; and the same ratio per √step (the ratio per step
+   times √(k / yardstick)), the rule's yardstick since.
+
+``--before 0`` measures a learner (re)started without a checkpoint at the run's start: every AdamW is fresh,
+so *along* and *fresh* take the same steps (the chaos benchmark's case of 2026-12-05: 26 steps against 80,
+``--before 0 --first-round 26 --yardstick 80``).
 
 Usage::
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -117,13 +124,17 @@ def run(args: argparse.Namespace) -> dict:
     yard = [statistics.median(n[f] for n in norms["along"][args.yardstick]) for f in range(len(fragments))]
     ratios = {a: {k: [max(n[f] / yard[f] for f in range(len(fragments))) for n in norms[a][k]] for k in ks}
               for a in arms}
+    # norm / √k over norm / √yardstick: the per-step ratio times √(k / yardstick)
+    sqrt_ratios = {a: {k: [r * math.sqrt(k / args.yardstick) for r in by_k[k]] for k in ks}
+                   for a, by_k in ratios.items()}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     return {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "commit": commit, "config": args.config,
             "overrides": [*CHAOS, *args.overrides], "before": args.before, "yardstick_steps": args.yardstick,
             "h": h, "lr": cfg.inner.lr, "beta1": cfg.inner.beta1, "beta2": cfg.inner.beta2,
             "outlier_factor": cfg.averaging.norm_outlier_factor, "median_along_per_fragment": yard,
-            "norm_per_step": norms, "ratio_to_median_along": ratios, "seconds": time.perf_counter() - began}
+            "norm_per_step": norms, "ratio_to_median_along": ratios,
+            "ratio_to_median_along_per_sqrt_step": sqrt_ratios, "seconds": time.perf_counter() - began}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     out = run(args)
     limit = out["outlier_factor"]
     ks = sorted(next(iter(out["ratio_to_median_along"].values())))
-    print(f"\nnorm per inner step of a first round of k steps ÷ the median of learners that trained along over "
-          f"{args.yardstick} steps (largest fragment ratio over {args.shards} newcomer shards; the outlier rule "
-          f"leaves out above {limit:g}x):")
-    print("| arm | " + " | ".join(f"k = {k}" for k in ks) + " |")
-    print("|---|" + "---|" * len(ks))
-    for arm, by_k in out["ratio_to_median_along"].items():
-        print(f"| {arm} | " + " | ".join(f"{max(by_k[k]):.2f} ({sum(r > limit for r in by_k[k])} left out)"
-                                         for k in ks) + " |")
+    for key, per in (("ratio_to_median_along", "inner step"), ("ratio_to_median_along_per_sqrt_step", "√step")):
+        print(f"\nnorm per {per} of a first round of k steps ÷ the median of learners that trained along over "
+              f"{args.yardstick} steps (largest fragment ratio over {args.shards} newcomer shards; the outlier rule "
+              f"leaves out above {limit:g}x):")
+        print("| arm | " + " | ".join(f"k = {k}" for k in ks) + " |")
+        print("|---|" + "---|" * len(ks))
+        for arm, by_k in out[key].items():
+            print(f"| {arm} | " + " | ".join(f"{max(by_k[k]):.2f} ({sum(r > limit for r in by_k[k])} left out)"
+                                             for k in ks) + " |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -11,15 +11,20 @@ The rule, applied to the members in sorted peer-id order:
 1. **Broken.** Metadata that is not a dict, a ``finite`` flag that is False, a ``norm`` that is
    not finite (NaN/Inf), a ``weight`` or ``norm`` that is not a non-negative finite number:
    excluded ("its outer gradient is not finite").
-2. **Outlier.** With ``norm_outlier_factor`` f > 0: a member whose norm per inner step (``norm /
-   steps``: an honest learner that missed rounds sends many steps' progress at once) is above f
-   times the median of the *other* valid members' is excluded. Leave-one-out, so that an outlier
-   cannot raise its own yardstick, and so that the rule means something in tiny groups: alone,
-   nobody is compared (only rule 1 applies); in a pair, the larger norm is excluded when it is
-   more than f times the smaller one (with the plain median of two, their mean, no norm can
-   ever be f ≥ 2 times the median, so a pair would never exclude anyone); from three members on
-   it is the median of the others (with two others, their mean). A norm equal to f times the
-   median stays in. In a pair the rule bets on the smaller norm: the failures seen in practice
+2. **Outlier.** With ``norm_outlier_factor`` f > 0: a member whose norm per square root of its inner
+   steps (``norm / √steps``) is above f times the median of the *other* valid members' is excluded.
+   Norms are compared for the steps behind them because an honest learner that missed rounds sends
+   many steps' progress at once, and one that just (re)joined sends few; by the square root because
+   an outer gradient of Adam steps grows like a random walk, not like a straight line: per inner
+   step, a learner restarted from nothing that met a round after 1 step, beside others sending 80,
+   was 8-9x their median and left out (chaos benchmark, 2026-12-05); per √step it is 1.0x
+   (docs/security.md, "Honest outliers").
+   Leave-one-out, so that an outlier cannot raise its own yardstick, and so that the rule means something in
+   tiny groups: alone, nobody is compared (only rule 1 applies); in a pair, the larger norm is
+   excluded when it is more than f times the smaller one (with the plain median of two, their mean,
+   no norm can ever be f ≥ 2 times the median, so a pair would never exclude anyone); from three
+   members on it is the median of the others (with two others, their mean). A norm equal to f times
+   the median stays in. In a pair the rule bets on the smaller norm: the failures seen in practice
    (diverging training, exploding updates, NaN) make norms larger, and a stalled learner's small
    outer gradient does little harm when averaged in.
 3. **Banned.** Each member publishes the peers *it* excluded under rules 1-2 in its recent
@@ -214,11 +219,11 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
             norms[peer] = _number(meta["norm"]) or 0.0
             steps[peer] = _steps(meta) if rules.max_steps is None else min(_steps(meta), rules.max_steps)
     if rules.norm_outlier_factor > 0:
-        # Per inner step: an honest learner that missed rounds sends the progress of many steps at once.
-        rates = {p: n / steps[p] for p, n in norms.items()}
+        # Per √step: honest learners send the progress of few or many steps, which grows like a random walk.
+        rates = {p: n / math.sqrt(steps[p]) for p, n in norms.items()}
         if logger.isEnabledFor(logging.DEBUG):  # judged every round: no string built when nobody reads it
-            logger.debug("norms per inner step: " + ", ".join(f"{p[-6:]} {rates[p]:.3g} ({steps[p]} steps)"
-                                                              for p in sorted(rates)))
+            logger.debug("norms per √(inner steps): " + ", ".join(f"{p[-6:]} {rates[p]:.3g} ({steps[p]} steps)"
+                                                                   for p in sorted(rates)))
         for peer, rate in rates.items():
             others = [r for q, r in rates.items() if q != peer]
             if others and rate > rules.norm_outlier_factor * (median := statistics.median(others)):
@@ -350,8 +355,8 @@ def _steps(meta: Mapping[str, Any]) -> int:
 
 def _outlier(rate: float, median: float, factor: float) -> str:
     if median == 0:
-        return f"norm per inner step {rate:.2g} while the others' median is 0"
-    return (f"norm per inner step {rate:.2g} is {rate / median:.0f}x the median {median:.2g} of the others' "
+        return f"norm per √(inner steps) {rate:.2g} while the others' median is 0"
+    return (f"norm per √(inner steps) {rate:.2g} is {rate / median:.0f}x the median {median:.2g} of the others' "
             f"(limit {factor:g}x)")
 
 

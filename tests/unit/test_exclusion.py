@@ -44,19 +44,26 @@ def test_an_outlier_above_factor_times_the_median_of_the_others_is_excluded():
     verdict = judge(_group(1.0, 1.2, 0.9, 1.1, 100.0), Rules(8.0))
     assert set(verdict.excluded) == {"e"}
     why = verdict.excluded["e"].why
-    assert why.startswith("norm per inner step 1e+02 is 95x the median 1.1 of the others'"), why
+    assert why.startswith("norm per √(inner steps) 1e+02 is 95x the median 1.1 of the others'"), why
     assert verdict.contributors(_group(*range(5))) == ["a", "b", "c", "d"]
     assert _out(_group(1.0, 1.2, 0.9, 1.1, 7.0)) == set()  # 7 ≤ 8 × 1.05
     assert _out(_group(1.0, 1.2, 0.9, 1.1, 100.0), Rules(0.0)) == set()  # 0 disables the outlier rule
 
 
-def test_norms_are_compared_per_inner_step():
-    """An honest learner that missed rounds sends many steps' progress at once: not an outlier."""
+def test_norms_are_compared_per_square_root_of_the_inner_steps():
+    """An honest learner that missed rounds sends many steps' progress at once, one that just joined few:
+    not outliers for that. Adam's steps add up like a random walk: the norm grows like √steps."""
     group = _group(0.36, 7.0)  # the second one's outer gradient holds 70 inner steps, the first one's 7
     group["a"]["steps"], group["b"]["steps"] = 7, 70
-    assert _out(group) == set()
+    assert _out(group) == set()  # 7 / √70 = 0.84 is 6.1x 0.36 / √7 = 0.136
     group["b"]["steps"] = 7  # the same norm from as few steps: 19x the other's rate
     assert _out(group) == {"b"}
+    # A learner restarted from nothing that met a round after 1 step, beside three of 80 (chaos benchmark,
+    # 2026-12-05): 8.4x their median per inner step, 0.93x per √step.
+    joined = {p: {"norm": n, "finite": True, "steps": k} for p, n, k in
+              [("a", 8.8, 80), ("b", 8.6, 80), ("c", 9.1, 80), ("new", 0.92, 1)]}
+    assert _out(joined) == set()
+    assert _out({**joined, "new": {**joined["new"], "norm": 0.92 * 9}}) == {"new"}  # 8.4x per √step
 
 
 def test_non_finite_outer_gradients_are_excluded_and_do_not_count_in_the_median():
@@ -284,7 +291,7 @@ def test_tokens_are_bounded_by_steps_times_tokens_per_step_and_steps_by_the_cap(
 
 
 def test_claimed_steps_do_not_hide_a_norm_from_the_outlier_rule():
-    """Norms are compared per inner step: the steps are bounded there too."""
+    """Norms are compared per √(inner steps): the steps are bounded there too."""
     gathered = {p: _learner(10) for p in "abc"} | {"liar": _learner(10, steps=2**63 - 1, norm=1e6)}
     assert set(judge(gathered, BOUNDS).excluded) == {"liar"}
     assert set(judge(gathered, Rules()).excluded) == set()  # unbounded: 1e6 / 2^63 per step looks tiny

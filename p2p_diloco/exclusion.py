@@ -49,7 +49,7 @@ its tokens as t = min(tokens, s·T) (s·T when it gathered none), and its weight
 divisor 1 + missed_versions ≥ 1, so it never exceeds the bound and is used unchanged; a claim above
 the bound counts as the bound, so lying gains at most the weight of S honest steps. Staleness need
 not be gathered: a member can only lower its own weight with it. The outlier rule divides norms by
-s too, so that claiming 2⁶³ steps hides no norm. A member whose weight is cut down, or whose tokens
+√s too, so that claiming 2⁶³ steps hides no norm. A member whose weight is cut down, or whose tokens
 exceed its steps·T, is kept (clamped, not excluded: a learner unit with more workers than T allows,
 or one absent for many rounds, still brings real progress) and logged once per round at WARNING.
 

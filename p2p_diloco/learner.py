@@ -149,11 +149,16 @@ class Learner:
 
     def _head_start(self, trainer: Trainer, state: LearnerState, data: LocalData, resumed: bool) -> HeadStart | None:
         """What the learner does while its DHT joins (:mod:`p2p_diloco.head_start`): the eval before training,
-        if it has none yet, then, if it ``resumed`` from its checkpoint, inner steps up to the end of the
-        outer step. Not in a unit of several workers, whose steps go in step with the others."""
+        if it has none yet, then, if it ``resumed`` from its checkpoint with an optimizer that has stepped,
+        inner steps up to its next round or the end of the outer step. Not in a unit of several workers,
+        whose steps go in step with the others. A checkpoint whose AdamW never stepped (a learner stopped
+        before its first step) is no better than none: its first step decides the lr ramp of a fresh
+        optimizer (trainer.py), which must see the swarm's version, not the checkpoint's."""
         if not isinstance(self.unit, Solo):
             return None
         c, h = state.counters, self.cfg.inner.steps_per_outer
+        target = self.cfg.run.max_outer_steps
+        resumed = resumed and trainer.inner_opt.steps_taken() > 0 and (target is None or state.version < target)
         steps_schedule = self.cfg.sync.schedule != "clock"
         trainer.meter.reset()
 
@@ -229,7 +234,8 @@ class Learner:
                                f"of {cfg.averaging.min_group_size}, no round commits: stopping at version "
                                f"{p.state.version} (local progress is in the checkpoint)")
         p.metrics.update(p.state, train_loss=train_loss, eval_loss=eval_loss)
-        p.audit.outer_step(p.state, train_loss, eval_loss, c.train_seconds + time.perf_counter() - self._loop_started)
+        p.audit.outer_step(p.state, train_loss, eval_loss,
+                           c.train_seconds + self._head_seconds + time.perf_counter() - self._loop_started)
         p.progress.publish()
         self.checkpoint()
         self._stop_if_cut_off()

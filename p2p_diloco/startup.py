@@ -244,9 +244,18 @@ def set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: C
     """Start every part of a learner; on failure, shut down what was started and raise. ``head_start``
     makes the work that runs while the network part of the set-up waits; it has ended when this returns."""
     closer = contextlib.ExitStack()
+    heads: list[HeadStart] = []
+
+    def started(*args: Any) -> HeadStart | None:
+        head = head_start(*args) if head_start is not None else None
+        heads.extend([head] if head is not None else [])
+        return head
+
     try:
-        return _set_up(cfg, faults, leaving, on_commit, closer, head_start)
+        return _set_up(cfg, faults, leaving, on_commit, closer, started)
     except BaseException:
+        for head in heads:  # no step runs while the rest shuts down
+            head.stop()
         closer.close()
         raise
 
@@ -294,13 +303,15 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
     head = head_start(trainer, state, data, payload is not None) if head_start is not None else None
     pause = head.paused if head is not None else contextlib.nullcontext
     if head is not None:
-        closer.callback(head.stop)  # first of all on a failure below
-        head.start()
+        head.start()  # set_up stops it on a failure below
     steps_before = state.counters.inner_steps
 
-    def start_paused(**kwargs: Any) -> LinkedDHT:  # a fork copies no step under way
-        with pause():
-            return start(**kwargs)
+    def start_paused(wait: bool = True, **kwargs: Any) -> LinkedDHT:
+        with pause():  # the fork copies no step under way; the wait for the join need not hold the steps
+            dht = start(wait=False, **kwargs)
+        if wait:
+            wait_until_joined(dht)
+        return dht
 
     waited = time.monotonic()
     dht, reach = _reach(net, dhts, start_paused)

@@ -82,12 +82,19 @@ def test_a_fresh_learner_only_evaluates_while_it_joins():
     assert state.counters.first_eval_loss is not None and state.counters.inner_steps == 0
 
 
+def _resumed(trainer, data, state, steps: int) -> None:
+    """As restored from a checkpoint after ``steps`` inner steps: the optimizer has stepped."""
+    x, y = data.sampler.next_batch()
+    trainer.step(x, y, 0)
+    state.counters.inner_steps = steps
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", ["steps", "clock"])
 def test_a_resumed_learner_steps_up_to_its_next_round_or_outer_step_end(schedule):
     cfg, trainer, state, data = _parts(f"sync.schedule={schedule}")
     h = cfg.inner.steps_per_outer
-    state.counters.inner_steps = h + 1  # as restored from a checkpoint
+    _resumed(trainer, data, state, h + 1)
     learner = Learner(cfg)
     head = learner._head_start(trainer, state, data, resumed=True)
     head.start()
@@ -106,11 +113,23 @@ def test_a_resumed_learner_steps_up_to_its_next_round_or_outer_step_end(schedule
 
 
 @pytest.mark.timeout(60)
-def test_a_signal_or_a_unit_of_several_workers_takes_no_head_start():
-    cfg, trainer, state, data = _parts()
+def test_a_signal_a_finished_run_a_never_stepped_optimizer_or_a_unit_of_several_workers_takes_no_steps():
+    cfg, trainer, state, data = _parts("run.max_outer_steps=2")
+    state.counters.first_eval_loss = 1.0
+    # A checkpoint whose AdamW never stepped: the first step must see the swarm's version (the lr ramp).
+    Learner(cfg)._head_start(trainer, state, data, resumed=True).start().finish()
+    assert state.counters.inner_steps == 0
+    _resumed(trainer, data, state, 7)  # the next round is at step 12
     learner = Learner(cfg)
     learner.stop.set()
-    state.counters.first_eval_loss = 1.0
     learner._head_start(trainer, state, data, resumed=True).start().finish()
-    assert state.counters.inner_steps == 0
+    assert state.counters.inner_steps == 7
+    for s in state.states:  # at run.max_outer_steps: it only serves, and trains no more
+        s.version = 2
+    Learner(cfg)._head_start(trainer, state, data, resumed=True).start().finish()
+    assert state.counters.inner_steps == 7
+    for s in state.states:
+        s.version = 1
+    Learner(cfg)._head_start(trainer, state, data, resumed=True).start().finish()
+    assert state.counters.inner_steps > 7
     assert Learner(cfg, unit=object())._head_start(trainer, state, data, resumed=True) is None  # type: ignore[arg-type]

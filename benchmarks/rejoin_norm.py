@@ -21,8 +21,8 @@ This script measures it without a network, on the learners' own trainer, model, 
    times √(k / yardstick)), the rule's yardstick since.
 
 ``--before 0`` measures a learner (re)started without a checkpoint at the run's start: every AdamW is fresh,
-so *along* and *fresh* take the same steps (the chaos benchmark's case of 2026-12-05: 26 steps against 80,
-``--before 0 --first-round 26 --yardstick 80``).
+so *along* and *fresh* take the same steps (the chaos benchmark's case of 2026-12-05: a first round after 1 step
+against others' 80, ``--before 0 --first-round 1 --yardstick 80``).
 
 Usage::
 

@@ -18,15 +18,14 @@ The rule, applied to the members in sorted peer-id order:
    an outer gradient of Adam steps grows like a random walk, not like a straight line: per inner
    step, a learner restarted from nothing that met a round after 1 step, beside others sending 80,
    was 8-9x their median and left out (chaos benchmark, 2026-12-05); per √step it is 1.0x
-   (docs/security.md, "Honest outliers").
-   Leave-one-out, so that an outlier cannot raise its own yardstick, and so that the rule means something in
-   tiny groups: alone, nobody is compared (only rule 1 applies); in a pair, the larger norm is
-   excluded when it is more than f times the smaller one (with the plain median of two, their mean,
-   no norm can ever be f ≥ 2 times the median, so a pair would never exclude anyone); from three
-   members on it is the median of the others (with two others, their mean). A norm equal to f times
-   the median stays in. In a pair the rule bets on the smaller norm: the failures seen in practice
-   (diverging training, exploding updates, NaN) make norms larger, and a stalled learner's small
-   outer gradient does little harm when averaged in.
+   (docs/security.md, "Honest outliers"). Leave-one-out, so that an outlier cannot raise its own
+   yardstick, and so that the rule means something in tiny groups: alone, nobody is compared (only
+   rule 1 applies); in a pair, the larger norm is excluded when it is more than f times the smaller
+   one (with the plain median of two, their mean, no norm can ever be f ≥ 2 times the median, so a
+   pair would never exclude anyone); from three members on it is the median of the others (with two
+   others, their mean). A norm equal to f times the median stays in. In a pair the rule bets on the
+   smaller norm: the failures seen in practice (diverging training, exploding updates, NaN) make
+   norms larger, and a stalled learner's small outer gradient does little harm when averaged in.
 3. **Banned.** Each member publishes the peers *it* excluded under rules 1-2 in its recent
    rounds (``bans``, kept by :class:`Bans`). A member is excluded when a strict majority of the
    other members that passed rules 1-2 list it. Only those members vote, so a broken or outlying

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 
@@ -33,10 +32,8 @@ class HeadStart:
         self._stopping = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="head-start", daemon=True)
-        self.seconds = 0.0  # wall time from start to the end of the last unit
 
     def start(self) -> HeadStart:
-        self._started = time.perf_counter()
         self._thread.start()
         return self
 
@@ -54,7 +51,6 @@ class HeadStart:
                 finally:
                     with self._cond:
                         self._busy = False
-                        self.seconds = time.perf_counter() - self._started
                         self._cond.notify_all()
                 if not more:
                     return

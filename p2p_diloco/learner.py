@@ -171,9 +171,9 @@ class Learner:
             if (self.stop.is_set() or not resumed or step % h == 0 or self.faults.due("inner", state.version + 1)
                     or (steps_schedule and due_fragments(state.fragments, step, h))):
                 return False  # the outer step's end, a fragment's round, an injected fault: the training loop's
-            started = time.perf_counter()
-            self._head_losses.append(self._take_step(trainer, data, state)[0])
-            self._head_seconds += time.perf_counter() - started
+            loss, elapsed = self._take_step(trainer, data, state)
+            self._head_losses.append(loss)
+            self._head_seconds += elapsed
             if c.inner_steps % self.cfg.run.log_every == 0:
                 self._log_inner(trainer, c.inner_steps, self._head_losses)
             return True

@@ -261,7 +261,7 @@ def set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: C
 
 
 def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: Callable[[], None],
-            closer: contextlib.ExitStack, head_start: HeadStarter | None) -> Parts:
+            closer: contextlib.ExitStack, head_start: HeadStarter) -> Parts:
     began = time.monotonic()
     torch.set_num_threads(cfg.run.threads)
     tokenizer = refuse_bad_input(cfg)
@@ -300,7 +300,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultPlan, leaving: Leaving, on_commit: 
         data.sampler.cursor = restore(payload, trainer, state, ckpt_dir)
     state.refresh_served()
     local_work = time.monotonic() - local_work
-    head = head_start(trainer, state, data, payload is not None) if head_start is not None else None
+    head = head_start(trainer, state, data, payload is not None)
     pause = head.paused if head is not None else contextlib.nullcontext
     if head is not None:
         head.start()  # set_up stops it on a failure below

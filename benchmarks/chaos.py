@@ -9,7 +9,9 @@ gaps (mean ``--mtbf / M`` for the swarm, i.e. ``--mtbf`` per learner), and resta
   quorum K = 2: the survivors keep merging, a restarted learner re-integrates.
 - ``sync``: plain synchronous DiLoCo: one fragment, no overlap, and every round waits for all M
   learners (K = M), so a dead learner stalls the others until it is back.
-- ``clean``: ``decoupled`` without failures, for the loss comparison.
+- ``clean``: ``decoupled`` without failures (its failure-free goodput, and one end of the loss comparison).
+- ``clean-matched``: ``clean`` again, stopped early: its wall time is cut so that it merges about as many
+  tokens as the ``decoupled`` run did (needs both earlier in ``--modes``); the other end of the loss comparison.
 - ``sync-clean``: ``sync`` without failures (its failure-free goodput, for the per-kill cost).
 
 Goodput = Σ over learners of (inner steps that reached the global model × that learner's seconds per
@@ -28,6 +30,13 @@ a killed learner's downtime (kill to restart) leaves the denominator, in both mo
 on its own (``downtime_learner_seconds``). Restart and start-up time stay in it (the learner is
 alive, and not training). ``reintegration_seconds`` lists, per restart, the seconds from the restart
 to the restarted learner's first committed round (its steps reach the model again; None: never).
+
+Loss at equal merged tokens: a run's final eval loss is its learners' global model (both fragments) evaluated
+as they leave, after their parting rounds, at the run's final global tokens T. The failure-free loss at the
+``decoupled`` run's T is read off the line through the final (tokens, loss) points of ``clean`` and
+``clean-matched``, which bracket T or end near it (``clean_eval_at_same_tokens``; ``eval_vs_clean`` is the
+relative difference). The same evaluation at the same moment of each run: learner 0's evals during the run
+are of its local model, which runs ahead of the global one by up to a round's steps.
 
 ``--extra-step-seconds S`` slows every inner step by S seconds of sleep, so that more learners fit
 on few cores; ``real_compute_share`` says how much of a step was computing.
@@ -87,7 +96,7 @@ DECOUPLED = ["--set", "sync.fragments=2", "--set", "sync.overlap_steps=25", "--s
              "--set", "sync.schedule=clock", "--set", "sync.period_seconds=15", "--set", "sync.max_wait_seconds=2.0",
              "--set", "averaging.min_group_size=2", "--set", "averaging.quorum=fixed",
              "--set", "averaging.round_timeout=10.0"]
-MODES = {"decoupled": DECOUPLED, "clean": DECOUPLED}
+MODES = {"decoupled": DECOUPLED, "clean": DECOUPLED, "clean-matched": DECOUPLED}
 FAILURE_FREE = {"decoupled": "clean", "sync": "sync-clean"}
 READY = re.compile(r"eval_loss \d+\.\d+ before training")
 BACK = re.compile(r"outer round committed \| version")  # a restarted learner's steps reach the model again
@@ -150,7 +159,7 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     restarts: list[tuple[float, int]] = []
     failures = 0
     t0 = time.monotonic()
-    pending = list(schedule) if not mode.endswith("clean") else []
+    pending = list(schedule) if "clean" not in mode else []
     startup: dict[int, float] = {}  # learner → end of its first start-up (first inner step, or its first kill)
     live = LiveTime(m)
     comebacks: list[dict] = []  # per restart: learner, when, where its log went on, when it was back
@@ -245,13 +254,20 @@ def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
 
 
 
-def eval_at_tokens(log: Path, tokens: int) -> float | None:
-    """The clean run's eval loss where its global tokens first reach ``tokens`` (from its log)."""
-    pattern = r"eval_loss (\d+\.\d+) .*?global_tokens (\d+)"
-    for loss, seen in re.findall(pattern, log.read_text()):
-        if int(seen) >= tokens:
-            return float(loss)
-    return None
+def matched_duration(duration: float, clean: dict, tokens: int) -> float:
+    """Wall time in which a failure-free run merges about ``tokens``: its global tokens grow at a steady
+    rate after its learners' start-up (``clean``: the full-length failure-free run)."""
+    start = max((x for x in clean["startup_seconds"] if x is not None), default=0.0)
+    return start + (duration - start) * min(1.0, tokens / clean["global_tokens"])
+
+
+def loss_at_tokens(points: list[tuple[int, float]], tokens: int) -> float | None:
+    """The loss at ``tokens`` on the line through two (tokens, loss) points: read between them, or past the
+    nearer one when ``tokens`` lies outside (None without two distinct token counts)."""
+    (t0, l0), (t1, l1) = sorted(points)
+    if t0 == t1:
+        return None
+    return l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
 
 
 def _pct(x: float | None) -> str:
@@ -282,39 +298,48 @@ def main() -> None:
     results = []
     workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="chaos-")
     with workdir as tmp:
+        by_mode: dict[str, dict] = {}
         for mode in args.modes.split(","):
-            print(f"running {mode} ...", flush=True)
-            r = run_mode(mode, args.learners, args.duration, schedule, args.downtime, Path(tmp) / mode,
+            duration = args.duration
+            if mode == "clean-matched":
+                if "decoupled" not in by_mode or "clean" not in by_mode:
+                    raise SystemExit("error: --modes lists clean-matched before decoupled and clean, which it follows")
+                duration = matched_duration(args.duration, by_mode["clean"], by_mode["decoupled"]["global_tokens"])
+            print(f"running {mode} ({duration:.0f} s) ...", flush=True)
+            r = run_mode(mode, args.learners, duration, schedule, args.downtime, Path(tmp) / mode,
                          args.extra_step_seconds)
+            by_mode[mode] = r
             results.append(r)
             print(json.dumps(r), flush=True)
             if args.plot:
                 draw(Path(tmp) / mode, args.plot, mode, f"chaos: {mode}, {args.learners} learners, "
-                     f"{r['failures']} kills in {args.duration:.0f} s (seed {args.seed})")
-        by_mode = {r["mode"]: r for r in results}
+                     f"{r['failures']} kills in {duration:.0f} s (seed {args.seed})")
         for r in results:
             free = by_mode.get(FAILURE_FREE.get(r["mode"], ""))
             if free and r["failures"]:
                 r["cost_per_kill_learner_seconds"] = (free["goodput"] - r["goodput"]) * r["learners"] * \
                     args.duration / r["failures"]
-        clean = by_mode.get("clean")
-        if clean:
-            for r in results:
-                if r["mode"] != "clean" and r["global_tokens"]:
-                    r["clean_eval_at_same_tokens"] = eval_at_tokens(Path(tmp) / "clean" / "learner-0.log",
-                                                                    r["global_tokens"])
+        decoupled, ends = by_mode.get("decoupled"), [by_mode.get("clean"), by_mode.get("clean-matched")]
+        if decoupled and all(e and e["final_eval_loss"] is not None for e in ends):
+            points = [(e["global_tokens"], e["final_eval_loss"]) for e in ends]
+            clean_loss = loss_at_tokens(points, decoupled["global_tokens"])
+            decoupled["clean_points"] = points
+            decoupled["clean_eval_at_same_tokens"] = clean_loss
+            decoupled["eval_vs_clean"] = None if clean_loss is None else decoupled["final_eval_loss"] / clean_loss - 1
     print("\n| mode | learners | failures | goodput | after start-up | live goodput | downtime (learner-s) | "
           "cost per kill (learner-s) | merged / computed steps | version | lineages | NaN | eval loss | "
-          "clean eval @ same tokens | re-integrations | restart to first commit (s) | real compute per step |")
+          "clean eval @ same tokens (difference) | re-integrations | restart to first commit (s) | "
+          "real compute per step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ce, cost = r.get("clean_eval_at_same_tokens"), r.get("cost_per_kill_learner_seconds")
+        ce_text = "-" if ce is None else f"{ce:.4f} ({r['eval_vs_clean']:+.1%})"
         back = ", ".join("never" if x is None else f"{x:g}" for x in r["reintegration_seconds"]) or "-"
         print(f"| {r['mode']} | {r['learners']} | {r['failures']} | {r['goodput']:.1%} | "
               f"{_pct(r['goodput_after_start'])} | {_pct(r['goodput_live'])} | {r['downtime_learner_seconds']:.0f} | "
               f"{'-' if cost is None else f'{cost:.0f}'} | "
               f"{r['merged_fraction_of_computed_steps']:.1%} | {r['version']} | {r['lineages']} | {r['nan']} | "
-              f"{r['final_eval_loss']:.4f} | {'-' if ce is None else f'{ce:.4f}'} | {r['reintegrations']} | "
+              f"{r['final_eval_loss']:.4f} | {ce_text} | {r['reintegrations']} | "
               f"{back} | {_pct(r['real_compute_share'])} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

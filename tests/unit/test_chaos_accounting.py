@@ -34,3 +34,16 @@ def test_a_dead_learners_downtime_leaves_the_live_time(chaos):
     # 0: 0–100; 1: 0–10 and 25–100; 2: 0–40 and dead at the end.
     assert live.total(100.0) == pytest.approx(100 + 10 + 75 + 40)
     assert live.total(100.0) == pytest.approx(live.total(100.0))  # reading it changes nothing
+
+
+def test_the_failure_free_loss_is_read_off_the_line_through_two_runs_ends(chaos):
+    # Between the two ends, and past the nearer one (the matched run may stop a little short or long).
+    assert chaos.loss_at_tokens([(4_000, 2.0), (3_000, 2.2)], 3_500) == pytest.approx(2.1)
+    assert chaos.loss_at_tokens([(3_000, 2.2), (4_000, 2.0)], 2_900) == pytest.approx(2.22)
+    assert chaos.loss_at_tokens([(3_000, 2.2), (3_000, 2.1)], 3_000) is None
+
+
+def test_the_matched_run_is_cut_where_its_steady_token_rate_reaches_the_target(chaos):
+    clean = {"startup_seconds": [6.0, 8.0, None, 7.0], "global_tokens": 4_000}
+    assert chaos.matched_duration(188.0, clean, 3_000) == pytest.approx(8.0 + 180.0 * 0.75)
+    assert chaos.matched_duration(188.0, clean, 5_000) == pytest.approx(188.0)  # never longer than the clean run

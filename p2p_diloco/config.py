@@ -118,6 +118,12 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, gt=0.0, le=10.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     nesterov: bool = True
+    short_rounds: Literal["scaled", "full"] = Field(
+        "scaled", description="scaled (default): a round whose contributions carry fewer than inner.steps_per_outer "
+                              "inner steps (token-weighted mean) moves the momentum and its look-ahead by that share "
+                              "of a full outer step, so a parting or first round of a few steps is not a full "
+                              "momentum step; full: every round is one full outer step (the code before 2026-12-05). "
+                              "docs/design.md, 'Short rounds'")
 
 
 class ContributionLimits(NamedTuple):

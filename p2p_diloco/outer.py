@@ -7,6 +7,19 @@ tokens behind it, and every member applies the same Nesterov-SGD step to its fp3
     b ← μ·b + Δ̄            (b = Δ̄ on the very first step, like torch.optim.SGD)
     Θ ← Θ − lr·(Δ̄ + μ·b)    (Nesterov; plain momentum uses Θ ← Θ − lr·b)
 
+A round whose contributions carry fewer than H inner steps (a learner's parting round, a fragment's
+first round after a restart) is a share w < 1 of an outer step (:func:`round_work`: the token-weighted
+mean of the steps over H). With ``outer.short_rounds = "scaled"`` (the default) it moves the momentum and
+its look-ahead by that share::
+
+    b ← (1 − w·(1 − μ))·b + Δ̄
+    Θ ← Θ − lr·(Δ̄ + w·μ·b)  (Nesterov; plain momentum: Θ ← Θ − lr·(Δ̄ + w·(b − Δ̄)))
+
+which is the step above at w = 1 and no step at all (b and Θ unchanged) as w and Δ̄ go to 0. Without it a
+round of a handful of steps still moved Θ by lr·μ²·b, about 80% of a full step, on momentum alone
+(docs/design.md, "Short rounds"). Only products and sums of the exact ints and floats every member holds:
+no ``pow``, whose last bit may differ between C libraries.
+
 The update is a fixed sequence of fp32 CPU tensor operations, so learners that start from
 bit-identical state and apply bit-identical Δ̄ end bit-identical: that is what lets one hash stand
 for the global state across the swarm.
@@ -15,6 +28,7 @@ for the global state across the swarm.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -221,13 +235,18 @@ class OuterOptimizer:
     _scratch: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @torch.no_grad()
-    def apply(self, state: GlobalState, avg_delta: Sequence[torch.Tensor], tokens: int = 0) -> None:
+    def apply(self, state: GlobalState, avg_delta: Sequence[torch.Tensor], tokens: int = 0,
+              work: float = 1.0) -> None:
         """One outer step on ``state``, in place (formulas in the module docstring): version + 1, ``tokens`` added,
         history recorded. ``avg_delta``: the averaged outer gradient, one tensor per parameter (ValueError otherwise).
+        ``work``: the share of a full outer step the round carries (:func:`round_work`); below 1 it scales the
+        momentum's part when ``outer.short_rounds`` is "scaled".
         """
         if len(avg_delta) != len(state.params):
             raise ValueError(f"expected {len(state.params)} outer gradients, got {len(avg_delta)}")
         mu, lr = self.cfg.momentum, self.cfg.lr
+        w = min(max(float(work), 0.0), 1.0) if self.cfg.short_rounds == "scaled" and math.isfinite(work) else 1.0
+        decay, ahead = (mu, mu) if w == 1.0 else (1.0 - w * (1.0 - mu), w * mu)
         for p, b, d in zip(state.params, state.momentum, avg_delta, strict=True):
             if d.shape != p.shape:
                 raise ValueError(f"outer gradient of shape {tuple(d.shape)} for parameter {tuple(p.shape)}")
@@ -235,17 +254,32 @@ class OuterOptimizer:
                 p.sub_(d, alpha=lr)
                 continue
             if state.momentum_initialized:
-                b.mul_(mu).add_(d)
+                b.mul_(decay).add_(d)
             else:
                 b.copy_(d)
             if self.cfg.nesterov:
-                p.sub_(d + mu * b, alpha=lr)
-            else:
+                p.sub_(d + ahead * b, alpha=lr)
+            elif w == 1.0:
                 p.sub_(b, alpha=lr)
+            else:
+                p.sub_(d + w * (b - d), alpha=lr)
         state.momentum_initialized = True
         state.version += 1
         state.tokens = min(state.tokens + max(int(tokens), 0), MAX_TOKENS - 1)  # saturates: always serializable
         state.remember()
+
+
+def round_work(members: Iterable[tuple[int, int]], steps_per_outer: int) -> float:
+    """The share of a full outer step that a round carries: the mean of its contributions' inner steps
+    (each at most H = ``steps_per_outer``) over H, weighted by their tokens; ``members``: (tokens, steps) per
+    contributor, as their metadata said (a peer that claims fewer steps only damps the step; more count as
+    H). 1.0 when nothing says otherwise (no tokens, no H). Integer sums and one division: every member of
+    the group computes the same float."""
+    pairs = [(max(int(t), 0), min(max(int(s), 0), steps_per_outer)) for t, s in members]
+    total = sum(t for t, _ in pairs)
+    if total <= 0 or steps_per_outer <= 0:
+        return 1.0
+    return sum(t * s for t, s in pairs) / (total * steps_per_outer)
 
 
 def apply_result(

@@ -30,9 +30,15 @@ from p2p_diloco.certificates import Certifier, Commit
 from p2p_diloco.exclusion import Verdict
 from p2p_diloco.faults import LIE_WEIGHT
 from p2p_diloco.merging import global_norm, rda_combine, to_unit
-from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient
+from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, round_work
 
 logger = logging.getLogger(__name__)
+
+
+def _steps(meta: dict[str, Any]) -> int:
+    """A groupmate's claimed inner steps; anything but a non-negative int counts as a whole outer step's."""
+    steps = meta.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 2**31
 
 class Stage(enum.Enum):
     """The stages of an :class:`OuterRound`, as in the module docstring."""
@@ -86,6 +92,7 @@ class OuterRound:
     grace: float | None = None
     certifier: Certifier | None = None  # None: commits carry no certificate (tests of the round alone)
     verify_reducers: bool = True  # check the shards against the senders' sketches before signing
+    steps_per_outer: int | None = None  # H: a round of fewer steps is a share of an outer step (None: always whole)
     stage: Stage = field(init=False, default=Stage.PREPARED)
     _delta: list[torch.Tensor] = field(init=False, repr=False)
     _norm: float = field(init=False, default=0.0)
@@ -165,7 +172,9 @@ class OuterRound:
             return self._fail(problem, group_size=len(contributors))
         self.stage = Stage.VALIDATED
         group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
-        self.optimizer.apply(self.state, averaged, tokens=group_tokens)
+        work = 1.0 if self.steps_per_outer is None else round_work(
+            ((int(m.get("tokens", 0)), _steps(m)) for _, m in sorted(mates.items())), self.steps_per_outer)
+        self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work)
         self.state.record_contributors(self.state.version, contributors)
         new_sha = self.state.sha256()
         certifying = time.perf_counter()

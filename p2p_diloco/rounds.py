@@ -140,7 +140,7 @@ class Rounds:
             tokens=task.tokens, inner_steps=task.steps, max_delta_norm=cfg.averaging.max_delta_norm,
             weight=token_weight(task.tokens, task.steps, c.missed_versions[f], cfg.sync.weighting),
             fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window, certifier=self.certifier,
-            verify_reducers=cfg.averaging.verify_reducers,
+            verify_reducers=cfg.averaging.verify_reducers, steps_per_outer=cfg.inner.steps_per_outer,
         )
 
         def run() -> None:

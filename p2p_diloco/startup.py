@@ -83,7 +83,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
     different models); bytes, the default, adds nothing.
     """
     keys = {
-        "model": cfg.model.model_dump(exclude=LOCAL_MODEL_FIELDS), "outer": cfg.outer.model_dump(),
+        "model": cfg.model.model_dump(exclude=LOCAL_MODEL_FIELDS),
+        "outer": cfg.outer.model_dump(exclude={"short_rounds"}),
         "seed": cfg.run.seed,
         "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
         "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
@@ -94,6 +95,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
         keys["pace"] = cfg.sync.pace
     if cfg.averaging.quorum != "fixed":  # a rule every member of a group applies alike (the fixed quorum's
         keys["quorum"] = cfg.averaging.quorum  # lineages keep the ids they had before the setting)
+    if cfg.outer.short_rounds != "full":  # a different outer step (lineages of full steps keep their ids)
+        keys["short_rounds"] = cfg.outer.short_rounds
     if model_files is not None:
         keys["model_files"] = model_files
     if tokenizer != "bytes":

@@ -415,7 +415,7 @@ def test_radial_averaging_weighs_norms_by_the_bounded_weights():
     applied = []
 
     class Capture(OuterOptimizer):
-        def apply(self, state, deltas, tokens=0):
+        def apply(self, state, deltas, tokens=0, work=1.0):
             applied.append(global_norm(deltas))
             super().apply(state, deltas, tokens=tokens)
 

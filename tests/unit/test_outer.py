@@ -5,7 +5,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
 from p2p_diloco.models import build_model
-from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, rebase, weighted_mean
+from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, rebase, round_work, weighted_mean
 
 
 def _tensors(seed, shapes=((3, 4), (5,))):
@@ -137,3 +137,55 @@ def test_the_token_count_saturates_below_the_records_limit():
     opt.apply(state, ones, tokens=2**63 - 1)
     assert state.tokens == MAX_TOKENS - 1 and state.version == 2
     assert GlobalState.from_dict(state.to_dict()).tokens == MAX_TOKENS - 1  # still a valid state to serve
+
+
+def _stepped(cfg, works, seed=3):
+    """A state after a full warm-up step and then one step per entry of ``works`` on fixed outer gradients."""
+    params = _tensors(seed)
+    state = GlobalState(params=[p.clone() for p in params], momentum=[torch.zeros_like(p) for p in params])
+    opt = OuterOptimizer(cfg)
+    opt.apply(state, _tensors(seed + 1))
+    for i, w in enumerate(works):
+        delta = [d * (0.0 if w == 0 else 1.0) for d in _tensors(seed + 2 + i)]
+        opt.apply(state, delta, work=w)
+    return state
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_whole_round_is_the_step_it_always_was_and_an_empty_one_moves_nothing(nesterov):
+    scaled, full = (OuterConfig(nesterov=nesterov, short_rounds=s) for s in ("scaled", "full"))
+    # Work 1 (and work above 1, or not finite): bit for bit the full step, momentum and look-ahead alike.
+    for w in (1.0, 3.0, float("nan")):
+        a, b = _stepped(scaled, [w]), _stepped(full, [1.0])
+        assert a.sha256() == b.sha256()
+    # "full" ignores the work.
+    assert _stepped(full, [0.2]).sha256() == _stepped(full, [1.0]).sha256()
+    # Work 0 with a zero outer gradient: Θ and the momentum stay where the warm-up left them (the full step
+    # would move Θ by lr·μ²·b on momentum alone).
+    warm, empty, moved = _stepped(scaled, []), _stepped(scaled, [0]), _stepped(full, [0])
+    for x, y in zip(warm.tensors(), empty.tensors(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert any(not torch.equal(x, z) for x, z in zip(warm.params, moved.params, strict=True))
+
+
+def test_a_short_rounds_momentum_step_is_its_share_of_a_full_one():
+    cfg = OuterConfig(lr=0.5, momentum=0.8, short_rounds="scaled")
+    params, b0, d = _tensors(5), _tensors(6), _tensors(7)
+    state = GlobalState(params=[p.clone() for p in params], momentum=[b.clone() for b in b0],
+                        momentum_initialized=True)
+    OuterOptimizer(cfg).apply(state, d, work=0.25)
+    for p, b, p0, bb, dd in zip(state.params, state.momentum, params, b0, d, strict=True):
+        b_ref = (1 - 0.25 * 0.2) * bb + dd
+        torch.testing.assert_close(b, b_ref)
+        torch.testing.assert_close(p, p0 - 0.5 * (dd + 0.25 * 0.8 * b_ref))
+
+
+def test_a_rounds_work_is_the_token_weighted_mean_of_its_steps_over_h():
+    assert round_work([(100, 60), (100, 60)], 60) == 1.0
+    assert round_work([(300, 30), (100, 60)], 60) == pytest.approx((300 * 0.5 + 100) / 400)
+    assert round_work([(100, 500), (100, 15)], 60) == pytest.approx((1 + 0.25) / 2)  # more than H counts as H
+    assert round_work([(100, -4)], 60) == 0.0
+    assert round_work([(0, 5)], 60) == 1.0 and round_work([], 60) == 1.0  # nothing to weigh: a whole step
+    # Ints all the way down to one division: any member's order gives the same float.
+    members = [(1234, 17), (99, 3), (5000, 59)]
+    assert round_work(members, 60) == round_work(members[::-1], 60)

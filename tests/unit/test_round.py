@@ -24,15 +24,18 @@ def _learner(seed_shift: float):
     return state, list(model.parameters())
 
 
-def test_group_commits_identical_state_and_bumps_version():
+@pytest.mark.parametrize("steps_per_outer, work",
+                         [(None, 1.0), (10, 1.0), (40, (100 * 10 + 200 * 20 + 700 * 40) / 40_000)])
+def test_group_commits_identical_state_and_bumps_version(steps_per_outer, work):
     group = FakeGroup(3)
     learners = [_learner(s) for s in (1.0, 2.0, 3.0)]
-    tokens = [100, 200, 700]
+    tokens, steps = [100, 200, 700], [10, 20, 40]
     outcomes = [None] * 3
 
     def go(i):
         state, params = learners[i]
-        rnd = OuterRound(state, OuterOptimizer(OuterConfig()), group.member(str(i)), params, tokens[i], 10)
+        rnd = OuterRound(state, OuterOptimizer(OuterConfig()), group.member(str(i)), params, tokens[i], steps[i],
+                         steps_per_outer=steps_per_outer)
         outcomes[i] = rnd.run()
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
@@ -47,7 +50,8 @@ def test_group_commits_identical_state_and_bumps_version():
     ref_state, _ = _learner(0.0)
     deltas = [[g - p.detach() for g, p in zip(ref_state.params, params, strict=False)] for _, params in
               [_learner(s) for s in (1.0, 2.0, 3.0)]]
-    OuterOptimizer(OuterConfig()).apply(ref_state, weighted_mean(deltas, tokens))
+    # A round of fewer steps than H is that share of an outer step: the members' claimed steps over H.
+    OuterOptimizer(OuterConfig()).apply(ref_state, weighted_mean(deltas, tokens), work=work)
     for a, b in zip(learners[0][0].params, ref_state.params, strict=False):
         torch.testing.assert_close(a, b)
 
@@ -165,7 +169,7 @@ def test_clipping_bounds_each_contribution_plain_and_radial():
     captured = []
 
     class Capture(OuterOptimizer):
-        def apply(self, state, deltas, tokens=0):
+        def apply(self, state, deltas, tokens=0, work=1.0):
             captured.append(global_norm(deltas))
             super().apply(state, deltas, tokens=tokens)
 

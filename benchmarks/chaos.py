@@ -12,6 +12,7 @@ gaps (mean ``--mtbf / M`` for the swarm, i.e. ``--mtbf`` per learner), and resta
 - ``clean``: ``decoupled`` without failures (its failure-free goodput, and one end of the loss comparison).
 - ``clean-matched``: ``clean`` again, stopped early: its wall time is cut so that it merges about as many
   tokens as the ``decoupled`` run did (needs both earlier in ``--modes``); the other end of the loss comparison.
+  Only the decoupled mode gets this comparison (the issue's loss target is the decoupled mode's).
 - ``sync-clean``: ``sync`` without failures (its failure-free goodput, for the per-kill cost).
 
 Goodput = Σ over learners of (inner steps that reached the global model × that learner's seconds per
@@ -258,7 +259,8 @@ def matched_duration(duration: float, clean: dict, tokens: int) -> float:
     """Wall time in which a failure-free run merges about ``tokens``: its global tokens grow at a steady
     rate after its learners' start-up (``clean``: the full-length failure-free run)."""
     start = max((x for x in clean["startup_seconds"] if x is not None), default=0.0)
-    return start + (duration - start) * min(1.0, tokens / clean["global_tokens"])
+    share = min(1.0, tokens / clean["global_tokens"]) if clean["global_tokens"] > 0 else 1.0
+    return start + (duration - start) * share
 
 
 def loss_at_tokens(points: list[tuple[int, float]], tokens: int) -> float | None:
@@ -283,7 +285,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--extra-step-seconds", type=float, default=0.0,
                     help="sleep this long in every inner step (inner.extra_step_seconds), to fit more learners")
-    ap.add_argument("--modes", default="decoupled,sync,clean,sync-clean")
+    ap.add_argument("--modes", default="decoupled,sync,clean,clean-matched,sync-clean")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the logs and checkpoints here (default: a temporary directory)")
     ap.add_argument("--short", action="store_true",
@@ -293,17 +295,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.short:
         args.learners, args.duration, args.mtbf, args.downtime, args.modes = 4, 60.0, 80.0, 8.0, "decoupled,sync"
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in {*MODES, "sync", "sync-clean"}]:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}")
+    if "clean-matched" in modes and not {"decoupled", "clean"} <= set(modes[:modes.index("clean-matched")]):
+        ap.error("--modes: clean-matched follows decoupled and clean (it is cut to the tokens the first merged, "
+                 "at the second's rate)")
     schedule = failure_schedule(args.seed, args.learners, args.mtbf, args.duration)
     print(f"failure schedule (seed {args.seed}): {[(round(t, 1), i) for t, i in schedule]}", flush=True)
     results = []
     workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="chaos-")
     with workdir as tmp:
         by_mode: dict[str, dict] = {}
-        for mode in args.modes.split(","):
+        for mode in modes:
             duration = args.duration
             if mode == "clean-matched":
-                if "decoupled" not in by_mode or "clean" not in by_mode:
-                    raise SystemExit("error: --modes lists clean-matched before decoupled and clean, which it follows")
                 duration = matched_duration(args.duration, by_mode["clean"], by_mode["decoupled"]["global_tokens"])
             print(f"running {mode} ({duration:.0f} s) ...", flush=True)
             r = run_mode(mode, args.learners, duration, schedule, args.downtime, Path(tmp) / mode,
@@ -320,10 +326,13 @@ def main() -> None:
                 r["cost_per_kill_learner_seconds"] = (free["goodput"] - r["goodput"]) * r["learners"] * \
                     args.duration / r["failures"]
         decoupled, ends = by_mode.get("decoupled"), [by_mode.get("clean"), by_mode.get("clean-matched")]
-        if decoupled and all(e and e["final_eval_loss"] is not None for e in ends):
+        if decoupled and all(e and e["final_eval_loss"] is not None for e in [decoupled, *ends]):
             points = [(e["global_tokens"], e["final_eval_loss"]) for e in ends]
             clean_loss = loss_at_tokens(points, decoupled["global_tokens"])
             decoupled["clean_points"] = points
+            # Read past the nearer end, not between the two (the matched run stopped a little long or short).
+            decoupled["clean_extrapolated"] = not min(t for t, _ in points) <= decoupled["global_tokens"] <= max(
+                t for t, _ in points)
             decoupled["clean_eval_at_same_tokens"] = clean_loss
             decoupled["eval_vs_clean"] = None if clean_loss is None else decoupled["final_eval_loss"] / clean_loss - 1
     print("\n| mode | learners | failures | goodput | after start-up | live goodput | downtime (learner-s) | "
@@ -333,13 +342,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ce, cost = r.get("clean_eval_at_same_tokens"), r.get("cost_per_kill_learner_seconds")
-        ce_text = "-" if ce is None else f"{ce:.4f} ({r['eval_vs_clean']:+.1%})"
+        past = ", past an end" if r.get("clean_extrapolated") else ""
+        ce_text = "-" if ce is None else f"{ce:.4f} ({r['eval_vs_clean']:+.1%}{past})"
+        loss = "-" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}"
         back = ", ".join("never" if x is None else f"{x:g}" for x in r["reintegration_seconds"]) or "-"
         print(f"| {r['mode']} | {r['learners']} | {r['failures']} | {r['goodput']:.1%} | "
               f"{_pct(r['goodput_after_start'])} | {_pct(r['goodput_live'])} | {r['downtime_learner_seconds']:.0f} | "
               f"{'-' if cost is None else f'{cost:.0f}'} | "
               f"{r['merged_fraction_of_computed_steps']:.1%} | {r['version']} | {r['lineages']} | {r['nan']} | "
-              f"{r['final_eval_loss']:.4f} | {ce_text} | {r['reintegrations']} | "
+              f"{loss} | {ce_text} | {r['reintegrations']} | "
               f"{back} | {_pct(r['real_compute_share'])} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

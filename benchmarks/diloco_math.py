@@ -14,7 +14,8 @@ the learners (``peers/small-cpu.toml``), equal tokens:
   ``sync.fragments`` = P, ``sync.overlap_steps`` = τ and ``averaging.compression`` from the config:
   fragment f's round starts at the steps where ``s % H == f·H/P`` (:func:`~p2p_diloco.fragments.due_fragments`,
   the learners' own schedule), each outer gradient and their mean cross the codec once each (as input
-  and result of the all-reduce, :func:`~p2p_diloco.quantization.round_trip`), and the new Θ_f reaches
+  and result of the all-reduce, :func:`~p2p_diloco.quantization.round_trip`), a fragment's first round
+  (f·H/P steps) is that share of an outer step (:func:`~p2p_diloco.outer.round_work`), and the new Θ_f reaches
   the workers τ steps later under ``policy`` through :func:`~p2p_diloco.outer.apply_result`, the
   function the learners apply every round's result with.
 
@@ -46,6 +47,7 @@ from p2p_diloco.outer import (  # noqa: E402
     apply_result,
     load_into_module,
     pseudo_gradient,
+    round_work,
     weighted_mean,
 )
 from p2p_diloco.quantization import round_trip  # noqa: E402
@@ -136,6 +138,7 @@ def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, polic
     workers = [copy.deepcopy(base) for _ in range(m)]
     opts = [adamw(w) for w in workers]
     pending: list[tuple[int, int, list]] = []  # (step to apply at, fragment, each worker's snapshot)
+    merged_at = [0] * len(frags)  # the step of each fragment's last round (its first carries f·H/P steps)
 
     def wire(ts):  # one crossing of the codec: the arithmetic of the all-reduce's own round trip
         return [round_trip(codec, t) for t in ts]
@@ -152,7 +155,10 @@ def decoupled(cfg, base, adamw, step, samplers, m, steps, every, evaluate, polic
             f = frag.index
             snaps = [[p.detach().clone() for p in local(w, f)] for w in workers]
             deltas = [wire(pseudo_gradient(states[f].params, snap)) for snap in snaps]
-            outer.apply(states[f], wire(weighted_mean(deltas, [1.0] * m)))
+            # The learners' share of an outer step (outer.short_rounds): every worker carries s − merged_at steps.
+            work = round_work([(1.0, s - merged_at[f])] * m, h)
+            merged_at[f] = s
+            outer.apply(states[f], wire(weighted_mean(deltas, [1.0] * m)), work=work)
             pending.append((s + tau, f, snaps))
         for due in [x for x in pending if x[0] == s]:
             pending.remove(due)

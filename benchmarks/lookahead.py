@@ -6,7 +6,8 @@ evaluates it on ``--eval-batches`` fixed eval batches of its own config's data, 
 momentum, b its momentum buffer) put back, for each fragment alone and for all of them. A fragment
 whose last round carried few inner steps moved Θ by about lr·μ²·b on momentum alone under
 ``outer.short_rounds = "full"``: putting the look-ahead back shows what that cost (docs/design.md,
-"Short rounds"). Reads checkpoints only; no network.
+"Short rounds"). With ``"scaled"`` a last round of share w < 1 applied only w·lr·μ·b, and the full lr·μ·b
+put back here goes past the state before it. Reads checkpoints only; no network.
 
     .venv/bin/python benchmarks/lookahead.py WORK/clean/ckpt-0 WORK/clean-matched/ckpt-0 [--json OUT]
 """

@@ -269,17 +269,18 @@ class OuterOptimizer:
         state.remember()
 
 
-def round_work(members: Iterable[tuple[int, int]], steps_per_outer: int) -> float:
+def round_work(members: Iterable[tuple[float, int]], steps_per_outer: int) -> float:
     """The share of a full outer step that a round carries: the mean of its contributions' inner steps
-    (each at most H = ``steps_per_outer``) over H, weighted by their tokens; ``members``: (tokens, steps) per
-    contributor, as their metadata said (a peer that claims fewer steps only damps the step; more count as
-    H). 1.0 when nothing says otherwise (no tokens, no H). Integer sums and one division: every member of
-    the group computes the same float."""
-    pairs = [(max(int(t), 0), min(max(int(s), 0), steps_per_outer)) for t, s in members]
-    total = sum(t for t, _ in pairs)
-    if total <= 0 or steps_per_outer <= 0:
+    (each at most H = ``steps_per_outer``) over H, weighted as they were averaged; ``members``: (weight,
+    steps) per contributor, in an order every member of the group shares (sorted by peer), the weights
+    bounded by what the steps allow (:mod:`p2p_diloco.exclusion`: tokens ≤ steps·T), so that a peer
+    claiming few steps weighs little. 1.0 when nothing says otherwise (no weight, no H). The same sums in
+    the same order: every member of the group computes the same float."""
+    pairs = [(max(float(w), 0.0), min(max(int(s), 0), steps_per_outer)) for w, s in members]
+    total = sum(w for w, _ in pairs)
+    if not total > 0 or not math.isfinite(total) or steps_per_outer <= 0:
         return 1.0
-    return sum(t * s for t, s in pairs) / (total * steps_per_outer)
+    return min(1.0, sum(w * s for w, s in pairs) / (total * steps_per_outer))
 
 
 def apply_result(

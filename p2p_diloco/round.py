@@ -40,6 +40,7 @@ def _steps(meta: dict[str, Any]) -> int:
     steps = meta.get("steps")
     return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 2**31
 
+
 class Stage(enum.Enum):
     """The stages of an :class:`OuterRound`, as in the module docstring."""
     PREPARED = "prepared"
@@ -173,7 +174,8 @@ class OuterRound:
         self.stage = Stage.VALIDATED
         group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
         work = 1.0 if self.steps_per_outer is None else round_work(
-            ((int(m.get("tokens", 0)), _steps(m)) for _, m in sorted(mates.items())), self.steps_per_outer)
+            ((self._weight(result.verdict, p, mates), _steps(m)) for p, m in sorted(mates.items())),
+            self.steps_per_outer)
         self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work)
         self.state.record_contributors(self.state.version, contributors)
         new_sha = self.state.sha256()

@@ -417,7 +417,7 @@ def test_radial_averaging_weighs_norms_by_the_bounded_weights():
     class Capture(OuterOptimizer):
         def apply(self, state, deltas, tokens=0, work=1.0):
             applied.append(global_norm(deltas))
-            super().apply(state, deltas, tokens=tokens)
+            super().apply(state, deltas, tokens=tokens, work=work)
 
     group = FakeGroup(2, Rules(0.0).bounded_by(tokens_per_step=10, steps_per_outer=10, weighting="tokens"))
     pair = [learner(1.0), learner(4.0)]

@@ -171,7 +171,7 @@ def test_clipping_bounds_each_contribution_plain_and_radial():
     class Capture(OuterOptimizer):
         def apply(self, state, deltas, tokens=0, work=1.0):
             captured.append(global_norm(deltas))
-            super().apply(state, deltas, tokens=tokens)
+            super().apply(state, deltas, tokens=tokens, work=work)
 
     group = FakeGroup(2, Rules(0.0, max_contribution_norm=cap))
     pair = [_learner(s) for s in (1.0, 2.0)]

@@ -142,8 +142,8 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
     tokens_per_step, max_steps = only[3], only[4]
     if (factor is None or (only[1] is not None and (cap is None or cap <= 0))
             or (tokens_per_step is not None and max_steps is None)
-            or (max_steps is not None and not _count(max_steps))
-            or (tokens_per_step is not None and not _count(tokens_per_step))):
+            or (max_steps is not None and not count(max_steps))
+            or (tokens_per_step is not None and not count(tokens_per_step))):
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
     return Rules(factor, cap, str(only[2]), tokens_per_step, max_steps, str(only[5]))
 
@@ -306,12 +306,12 @@ def _broken(meta: Any) -> str:
     if norm is not None and _number(norm) is None:
         return f"its norm {norm!r} is invalid"
     for key in ("tokens", "steps"):
-        if key in meta and _count(meta[key]) is None:
+        if key in meta and count(meta[key]) is None:
             return f"its {key} {meta[key]!r} are invalid"
     return ""
 
 
-def _count(value: Any) -> int | None:
+def count(value: Any) -> int | None:
     """``value`` as a token or step count (an int from 0 to :data:`MAX_COUNT`, not a bool), or None."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
         return None
@@ -323,7 +323,7 @@ def _with_step_tokens(gathered: Mapping[str, Any], rules: Rules) -> Rules:
     if rules.tokens_per_step is not None or rules.max_steps is None:
         return rules
     told = sorted(n for m in gathered.values() if isinstance(m, dict) and not _broken(m)
-                  and (n := _count(m.get("step_tokens"))))
+                  and (n := count(m.get("step_tokens"))))
     return replace(rules, tokens_per_step=told[(len(told) - 1) // 2]) if told else rules
 
 

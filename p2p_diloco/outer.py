@@ -8,9 +8,9 @@ tokens behind it, and every member applies the same Nesterov-SGD step to its fp3
     Θ ← Θ − lr·(Δ̄ + μ·b)    (Nesterov; plain momentum uses Θ ← Θ − lr·b)
 
 A round whose contributions carry fewer than H inner steps (a learner's parting round, a fragment's
-first round after a restart) is a share w < 1 of an outer step (:func:`round_work`: the token-weighted
-mean of the steps over H). With ``outer.short_rounds = "scaled"`` (the default) it moves the momentum and
-its look-ahead by that share::
+first round after a restart) is a share w < 1 of an outer step (:func:`round_work`: the mean of the
+steps over H, weighted as the round averaged). With ``outer.short_rounds = "scaled"`` (the default) it
+moves the momentum and its look-ahead by that share::
 
     b ← (1 − w·(1 − μ))·b + Δ̄
     Θ ← Θ − lr·(Δ̄ + w·μ·b)  (Nesterov; plain momentum: Θ ← Θ − lr·(Δ̄ + w·(b − Δ̄)))
@@ -269,14 +269,16 @@ class OuterOptimizer:
         state.remember()
 
 
-def round_work(members: Iterable[tuple[float, int]], steps_per_outer: int) -> float:
+def round_work(members: Iterable[tuple[float, int | None]], steps_per_outer: int) -> float:
     """The share of a full outer step that a round carries: the mean of its contributions' inner steps
     (each at most H = ``steps_per_outer``) over H, weighted as they were averaged; ``members``: (weight,
-    steps) per contributor, in an order every member of the group shares (sorted by peer), the weights
+    steps) per contributor (steps None: not gathered, or not a count: a whole outer step's), in an order
+    every member of the group shares (sorted by peer), the weights
     bounded by what the steps allow (:mod:`p2p_diloco.exclusion`: tokens ≤ steps·T), so that a peer
     claiming few steps weighs little. 1.0 when nothing says otherwise (no weight, no H). The same sums in
     the same order: every member of the group computes the same float."""
-    pairs = [(max(float(w), 0.0), min(max(int(s), 0), steps_per_outer)) for w, s in members]
+    pairs = [(max(float(w), 0.0), steps_per_outer if s is None else min(max(int(s), 0), steps_per_outer))
+             for w, s in members]
     total = sum(w for w, _ in pairs)
     if not total > 0 or not math.isfinite(total) or steps_per_outer <= 0:
         return 1.0

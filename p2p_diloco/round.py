@@ -27,18 +27,12 @@ import torch
 from p2p_diloco import shard_sketches
 from p2p_diloco.averaging import Averaging, RoundFailed, RoundSuperseded
 from p2p_diloco.certificates import Certifier, Commit
-from p2p_diloco.exclusion import Verdict
+from p2p_diloco.exclusion import Verdict, count
 from p2p_diloco.faults import LIE_WEIGHT
 from p2p_diloco.merging import global_norm, rda_combine, to_unit
 from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, round_work
 
 logger = logging.getLogger(__name__)
-
-
-def _steps(meta: dict[str, Any]) -> int:
-    """A groupmate's claimed inner steps; anything but a non-negative int counts as a whole outer step's."""
-    steps = meta.get("steps")
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 2**31
 
 
 class Stage(enum.Enum):
@@ -174,7 +168,7 @@ class OuterRound:
         self.stage = Stage.VALIDATED
         group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
         work = 1.0 if self.steps_per_outer is None else round_work(
-            ((self._weight(result.verdict, p, mates), _steps(m)) for p, m in sorted(mates.items())),
+            ((self._weight(result.verdict, p, mates), count(m.get("steps"))) for p, m in sorted(mates.items())),
             self.steps_per_outer)
         self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work)
         self.state.record_contributors(self.state.version, contributors)

@@ -187,6 +187,7 @@ def test_a_rounds_work_is_the_weighted_mean_of_its_steps_over_h():
     assert round_work([(100.0, -4)], 60) == 0.0
     assert round_work([(0.0, 5)], 60) == 1.0 and round_work([], 60) == 1.0  # nothing to weigh: a whole step
     assert round_work([(float("inf"), 5)], 60) == 1.0
+    assert round_work([(1.0, None), (1.0, 30)], 60) == 0.75  # a contribution without a step count: a whole one
 
 
 def test_a_liar_claiming_few_steps_weighs_little_and_barely_damps_the_step():

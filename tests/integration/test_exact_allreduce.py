@@ -27,7 +27,10 @@ TOLERANCE = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2, "int8": 0.05, "int4": 0.8
 
 @pytest.fixture(scope="module")
 def group():
-    cfg = AveragingConfig(min_group_size=3, target_group_size=3, matchmaking_time=2.0, request_timeout=1.0,
+    # A follower waits request_timeout past the leader's deadline for its go; 1 s was too short on a loaded
+    # CI machine once (the leader formed the group with a follower that had given up: "never received the
+    # leader's go"). The group is full at 3, so the longer times cost nothing when all goes well.
+    cfg = AveragingConfig(min_group_size=3, target_group_size=3, matchmaking_time=4.0, request_timeout=3.0,
                           round_timeout=20.0)
     template = [torch.zeros(300, 37), torch.zeros(5), torch.zeros(1000)]
     fragments = [(0,), (1, 2)]

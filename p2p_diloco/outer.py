@@ -17,8 +17,21 @@ moves the momentum and its look-ahead by that share::
 
 which is the step above at w = 1 and no step at all (b and Θ unchanged) as w and Δ̄ go to 0. Without it a
 round of a handful of steps still moved Θ by lr·μ²·b, about 80% of a full step, on momentum alone
-(docs/design.md, "Short rounds"). Only products and sums of the exact ints and floats every member holds:
-no ``pow``, whose last bit may differ between C libraries.
+(docs/design.md, "Short rounds").
+
+A round whose contributions carry more than H inner steps each (a slow link's long period, the round
+after a failed one) spans r = s/H > 1 outer steps' time (:func:`round_span`: the lower median of the
+steps over H). With ``outer.long_rounds = "decayed"`` (the default) the momentum that goes on past it
+is μʳ instead of μ, in the decay of b and in the look-ahead alike (μ replaced by μʳ above)::
+
+    b ← μʳ·b + Δ̄
+    Θ ← Θ − lr·(Δ̄ + μʳ·b)
+
+An outer gradient of many inner steps has already moved most of the way its modes can go; the old
+momentum pushed on along the last rounds' directions and overshot (docs/design.md, "Long rounds").
+μʳ is :func:`decayed_momentum`: products of μ for the whole part of r, linear in its fraction. Only
+products and sums of the exact ints and floats every member holds: no ``pow``, whose last bit may
+differ between C libraries.
 
 The update is a fixed sequence of fp32 CPU tensor operations, so learners that start from
 bit-identical state and apply bit-identical Δ̄ end bit-identical: that is what lets one hash stand
@@ -236,15 +249,18 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def apply(self, state: GlobalState, avg_delta: Sequence[torch.Tensor], tokens: int = 0,
-              work: float = 1.0) -> None:
+              work: float = 1.0, span: float = 1.0) -> None:
         """One outer step on ``state``, in place (formulas in the module docstring): version + 1, ``tokens`` added,
         history recorded. ``avg_delta``: the averaged outer gradient, one tensor per parameter (ValueError otherwise).
         ``work``: the share of a full outer step the round carries (:func:`round_work`); below 1 it scales the
-        momentum's part when ``outer.short_rounds`` is "scaled".
+        momentum's part when ``outer.short_rounds`` is "scaled". ``span``: the outer steps' time the round spans
+        (:func:`round_span`); above 1 the momentum going on is μ**span when ``outer.long_rounds`` is "decayed".
         """
         if len(avg_delta) != len(state.params):
             raise ValueError(f"expected {len(state.params)} outer gradients, got {len(avg_delta)}")
         mu, lr = self.cfg.momentum, self.cfg.lr
+        if self.cfg.long_rounds == "decayed" and math.isfinite(span) and span > 1.0:
+            mu = decayed_momentum(mu, span)
         w = min(max(float(work), 0.0), 1.0) if self.cfg.short_rounds == "scaled" and math.isfinite(work) else 1.0
         decay, ahead = (mu, mu) if w == 1.0 else (1.0 - w * (1.0 - mu), w * mu)
         for p, b, d in zip(state.params, state.momentum, avg_delta, strict=True):
@@ -283,6 +299,34 @@ def round_work(members: Iterable[tuple[float, int | None]], steps_per_outer: int
     if not total > 0 or not math.isfinite(total) or steps_per_outer <= 0:
         return 1.0
     return min(1.0, sum(w * s for w, s in pairs) / (total * steps_per_outer))
+
+
+MAX_SPAN = 64.0  # μ**64 is below 0.0012 at μ = 0.9: momentum a round this long passes on is nil
+
+
+def round_span(steps: Iterable[int | None], steps_per_outer: int) -> float:
+    """How many outer steps' time a round spans: the lower median of its contributions' inner steps (None:
+    not a count, taken as H) over H = ``steps_per_outer``, at least 1 and at most :data:`MAX_SPAN`. The lower
+    median, so that a peer claiming more steps than it took cannot stretch the span (in a pair it is the
+    smaller count); every member of the group computes the same float from the same counts."""
+    counts = sorted(steps_per_outer if s is None else max(int(s), 0) for s in steps)
+    if not counts or steps_per_outer <= 0:
+        return 1.0
+    return min(MAX_SPAN, max(1.0, counts[(len(counts) - 1) // 2] / steps_per_outer))
+
+
+def decayed_momentum(mu: float, span: float) -> float:
+    """μ**span for span ≥ 0 without ``pow``: μ multiplied in once per whole outer step, then linear in the
+    fraction left (1 − f·(1 − μ)), so every member gets the same bits; equal to μ**span at whole spans.
+
+    >>> decayed_momentum(0.9, 1.0), decayed_momentum(0.9, 2.0), decayed_momentum(0.9, 2.5)
+    (0.9, 0.81, 0.7695)
+    """
+    whole = int(span)
+    out = 1.0
+    for _ in range(whole):
+        out *= mu
+    return out * (1.0 - (span - whole) * (1.0 - mu))
 
 
 def apply_result(

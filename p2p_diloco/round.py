@@ -30,7 +30,7 @@ from p2p_diloco.certificates import Certifier, Commit
 from p2p_diloco.exclusion import Verdict, count
 from p2p_diloco.faults import LIE_WEIGHT
 from p2p_diloco.merging import global_norm, rda_combine, to_unit
-from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, round_work
+from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, round_span, round_work
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +167,12 @@ class OuterRound:
             return self._fail(problem, group_size=len(contributors))
         self.stage = Stage.VALIDATED
         group_tokens = sum(int(m.get("tokens", 0)) for m in mates.values())
-        work = 1.0 if self.steps_per_outer is None else round_work(
-            ((self._weight(result.verdict, p, mates), count(m.get("steps"))) for p, m in sorted(mates.items())),
-            self.steps_per_outer)
-        self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work)
+        work, span = 1.0, 1.0
+        if self.steps_per_outer is not None:
+            steps = [(self._weight(result.verdict, p, mates), count(m.get("steps"))) for p, m in sorted(mates.items())]
+            work = round_work(steps, self.steps_per_outer)
+            span = round_span((s for _, s in steps), self.steps_per_outer)
+        self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work, span=span)
         self.state.record_contributors(self.state.version, contributors)
         new_sha = self.state.sha256()
         certifying = time.perf_counter()

@@ -84,7 +84,7 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
     """
     keys = {
         "model": cfg.model.model_dump(exclude=LOCAL_MODEL_FIELDS),
-        "outer": cfg.outer.model_dump(exclude={"short_rounds"}),
+        "outer": cfg.outer.model_dump(exclude={"short_rounds", "long_rounds"}),
         "seed": cfg.run.seed,
         "fragments": cfg.sync.fragments, "codecs": [cfg.codec_for(f) for f in range(cfg.sync.fragments)],
         "weighting": cfg.sync.weighting, "rda": cfg.sync.rda, "max_delta_norm": cfg.averaging.max_delta_norm,
@@ -97,6 +97,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
         keys["quorum"] = cfg.averaging.quorum  # lineages keep the ids they had before the setting)
     if cfg.outer.short_rounds != "full":  # a different outer step (lineages of full steps keep their ids)
         keys["short_rounds"] = cfg.outer.short_rounds
+    if cfg.outer.long_rounds != "full":
+        keys["long_rounds"] = cfg.outer.long_rounds
     if model_files is not None:
         keys["model_files"] = model_files
     if tokenizer != "bytes":

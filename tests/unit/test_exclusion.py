@@ -415,9 +415,9 @@ def test_radial_averaging_weighs_norms_by_the_bounded_weights():
     applied = []
 
     class Capture(OuterOptimizer):
-        def apply(self, state, deltas, tokens=0, work=1.0):
+        def apply(self, state, deltas, tokens=0, work=1.0, span=1.0):
             applied.append(global_norm(deltas))
-            super().apply(state, deltas, tokens=tokens, work=work)
+            super().apply(state, deltas, tokens=tokens, work=work, span=span)
 
     group = FakeGroup(2, Rules(0.0).bounded_by(tokens_per_step=10, steps_per_outer=10, weighting="tokens"))
     pair = [learner(1.0), learner(4.0)]

@@ -91,7 +91,7 @@ def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
 def test_the_setting_is_checked_and_joins_the_lineage():
     with pytest.raises(ConfigError, match="quorum"):
         load_learner_config(SMALL, ["averaging.quorum=most"])
-    fixed, most = (load_learner_config(SMALL, o) for o in (["averaging.quorum=fixed", "outer.short_rounds=full"],
-                                                          ["outer.short_rounds=full"]))
+    full_steps = ["outer.short_rounds=full", "outer.long_rounds=full"]
+    fixed, most = (load_learner_config(SMALL, o) for o in (["averaging.quorum=fixed", *full_steps], full_steps))
     assert lineage_id(fixed) == "2543e0b8"  # a fixed quorum keeps the id lineages had before the setting
     assert lineage_id(most) != lineage_id(fixed)  # learners that apply different quorums never meet

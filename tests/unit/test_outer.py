@@ -5,7 +5,17 @@ import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
 from p2p_diloco.models import build_model
-from p2p_diloco.outer import GlobalState, OuterOptimizer, pseudo_gradient, rebase, round_work, weighted_mean
+from p2p_diloco.outer import (
+    MAX_SPAN,
+    GlobalState,
+    OuterOptimizer,
+    decayed_momentum,
+    pseudo_gradient,
+    rebase,
+    round_span,
+    round_work,
+    weighted_mean,
+)
 
 
 def _tensors(seed, shapes=((3, 4), (5,))):
@@ -198,3 +208,49 @@ def test_a_liar_claiming_few_steps_weighs_little_and_barely_damps_the_step():
     for n, floor in ((1, 0.828), (3, 0.928)):
         worst = min(round_work([(1.0, h)] * n + [(k / h, k)], h) for k in range(h + 1))
         assert worst == pytest.approx(floor, abs=2e-3)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_long_round_passes_on_the_momentum_of_its_span(nesterov):
+    # span r: the step with μ**r in place of μ (μ² = 0.81 at r = 2, bit for bit), in the decay and the look-ahead.
+    decayed, full = (OuterConfig(lr=0.5, momentum=0.9, nesterov=nesterov, long_rounds=s) for s in ("decayed", "full"))
+    two = OuterConfig(lr=0.5, momentum=0.9 * 0.9, nesterov=nesterov, long_rounds="full")
+    params, b0, d = _tensors(5), _tensors(6), _tensors(7)
+
+    def stepped(cfg, span):
+        state = GlobalState(params=[p.clone() for p in params], momentum=[b.clone() for b in b0],
+                            momentum_initialized=True)
+        OuterOptimizer(cfg).apply(state, d, span=span)
+        return state
+
+    assert stepped(decayed, 2.0).sha256() == stepped(two, 1.0).sha256()
+    # Span 1 (and below, or not finite) is the step it always was; "full" ignores the span.
+    for span in (1.0, 0.5, float("nan"), float("inf")):
+        assert stepped(decayed, span).sha256() == stepped(full, 1.0).sha256()
+    assert stepped(full, 8.0).sha256() == stepped(full, 1.0).sha256()
+    # The longer the span, the less the old momentum moves Θ: at 8, μ**8 = 0.43.
+    if nesterov:
+        for p, b, p0, bb, dd in zip(stepped(decayed, 8.0).params, stepped(decayed, 8.0).momentum, params, b0, d,
+                                    strict=True):
+            mu = decayed_momentum(0.9, 8.0)
+            torch.testing.assert_close(b, mu * bb + dd)
+            torch.testing.assert_close(p, p0 - 0.5 * (dd + mu * (mu * bb + dd)))
+
+
+def test_decayed_momentum_is_the_power_at_whole_spans_and_linear_between():
+    assert decayed_momentum(0.9, 0.0) == 1.0 and decayed_momentum(0.9, 1.0) == 0.9
+    for r in range(1, 20):
+        assert decayed_momentum(0.9, float(r)) == pytest.approx(0.9**r, rel=1e-12)
+        assert decayed_momentum(0.9, r + 0.5) == pytest.approx(0.9**r * 0.95, rel=1e-12)
+        assert decayed_momentum(0.9, r + 0.999999) == pytest.approx(0.9 ** (r + 1), rel=1e-6)
+
+
+def test_a_rounds_span_is_the_lower_median_of_its_steps_over_h():
+    assert round_span([400, 400, 300, 500], 50) == 8.0  # lower median 400
+    assert round_span([60, 60], 60) == 1.0 and round_span([30, 20], 60) == 1.0  # never below 1
+    assert round_span([None, 120, 180], 60) == 2.0  # no count: H
+    assert round_span([], 60) == 1.0 and round_span([100], 0) == 1.0
+    # A liar cannot stretch the span: claiming 2^62 steps beside three honest members, or in a pair.
+    assert round_span([120, 120, 120, 2**62], 60) == 2.0
+    assert round_span([120, 2**62], 60) == 2.0
+    assert round_span([2**62] * 3, 60) == MAX_SPAN  # a group of liars: bounded

@@ -24,9 +24,10 @@ def _learner(seed_shift: float):
     return state, list(model.parameters())
 
 
-@pytest.mark.parametrize("steps_per_outer, work",
-                         [(None, 1.0), (10, 1.0), (40, (100 * 10 + 200 * 20 + 700 * 40) / 40_000)])
-def test_group_commits_identical_state_and_bumps_version(steps_per_outer, work):
+@pytest.mark.parametrize("steps_per_outer, work, span",
+                         [(None, 1.0, 1.0), (10, 1.0, 2.0), (5, 1.0, 4.0),
+                          (40, (100 * 10 + 200 * 20 + 700 * 40) / 40_000, 1.0)])
+def test_group_commits_identical_state_and_bumps_version(steps_per_outer, work, span):
     group = FakeGroup(3)
     learners = [_learner(s) for s in (1.0, 2.0, 3.0)]
     tokens, steps = [100, 200, 700], [10, 20, 40]
@@ -50,8 +51,9 @@ def test_group_commits_identical_state_and_bumps_version(steps_per_outer, work):
     ref_state, _ = _learner(0.0)
     deltas = [[g - p.detach() for g, p in zip(ref_state.params, params, strict=False)] for _, params in
               [_learner(s) for s in (1.0, 2.0, 3.0)]]
-    # A round of fewer steps than H is that share of an outer step: the members' claimed steps over H.
-    OuterOptimizer(OuterConfig()).apply(ref_state, weighted_mean(deltas, tokens), work=work)
+    # A round of fewer steps than H is that share of an outer step: the members' claimed steps over H; one of
+    # more spans the lower median of the steps (20) over H.
+    OuterOptimizer(OuterConfig()).apply(ref_state, weighted_mean(deltas, tokens), work=work, span=span)
     for a, b in zip(learners[0][0].params, ref_state.params, strict=False):
         torch.testing.assert_close(a, b)
 
@@ -169,9 +171,9 @@ def test_clipping_bounds_each_contribution_plain_and_radial():
     captured = []
 
     class Capture(OuterOptimizer):
-        def apply(self, state, deltas, tokens=0, work=1.0):
+        def apply(self, state, deltas, tokens=0, work=1.0, span=1.0):
             captured.append(global_norm(deltas))
-            super().apply(state, deltas, tokens=tokens, work=work)
+            super().apply(state, deltas, tokens=tokens, work=work, span=span)
 
     group = FakeGroup(2, Rules(0.0, max_contribution_norm=cap))
     pair = [_learner(s) for s in (1.0, 2.0)]

@@ -241,6 +241,11 @@ class Rounds:
         out, f = _outcome(task), task.fragment.index
         self.audit.round(f, out, self.cfg.codec_for(f), task.tokens, late=True)
         self.state.counters.bytes_sent += out.bytes_sent
+        if self.pace is not None:
+            # A late round is the slow link the pace exists for: unmeasured, every round on a 1 Mbit/s link
+            # outlived its wait, the period stayed at its starting 60 s and fragment 1's slot was skipped for
+            # the first 7 minutes (WAN benchmark, 2026-12-05).
+            self.pace.observe_round(out.round_seconds, out.group_size)
         if not out.committed:
             self._failed()
             logger.info(f"fragment {f}: the round we stopped waiting for ended without a commit ({out.reason}); "

@@ -192,6 +192,8 @@ def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commi
     task.thread = threading.Thread(target=slow_round, daemon=True)
     task.thread.start()
     rounds.inflight = task
+    measured = []  # the pace (sync.pace = auto) measures a late round like one on time
+    rounds.pace = SimpleNamespace(observe_round=lambda seconds, size: measured.append((seconds, size)))
     with torch.no_grad():
         p.fill_(1.5)  # 5 steps of progress after the round started
     state.counters.tokens_since_merge[0], state.counters.steps_since_merge[0] = 960, 15
@@ -210,6 +212,7 @@ def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commi
     c = state.counters
     assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.missed_versions[0], c.outer_steps) == (320, 5, 0, 1)
     assert "training on" in caplog.text and "committed version 5" in caplog.text
+    assert measured == [(task.outcome.round_seconds, 2)]
 
 
 def test_a_round_that_raises_is_a_failed_outcome_not_an_exception(caplog):

@@ -244,8 +244,10 @@ def learners_result(d: Path, rate: str) -> dict:
     started = [_seconds_since(launched, m.group(2)) for line in text.splitlines() if (m := STARTED.match(line))]
     return {
         "rate": rate, "period_seconds": None if periods else period_seconds(rate), "periods_taken": periods,
-        "rounds_committed": len(re.findall(r"outer round committed", text)),
-        "rounds_not_committed": len(re.findall(r"outer round not committed", text)),
+        # A round the learner stopped waiting for at τ ends later, in its own words (counted since 2026-12-05).
+        "rounds_committed": len(re.findall(r"outer round committed|the round we stopped waiting for committed", text)),
+        "rounds_not_committed": len(re.findall(r"outer round not committed|the round we stopped waiting for ended "
+                                               r"without a commit", text)),
         # Ours says "no group formed" when the round window closes empty; hivemind's matchmaking, "could not find a
         # group" (the only one the runs of 2026-12-03 logged; this count missed it until 2026-12-03).
         "rounds_without_group": len(re.findall(NO_GROUP, text)),

@@ -127,9 +127,9 @@ class OuterConfig(_Section):
     long_rounds: Literal["decayed", "full"] = Field(
         "decayed", description="decayed (default): a round whose contributions carry s > inner.steps_per_outer inner "
                                "steps (lower median) spans s/H outer steps' time, and the momentum that goes on past "
-                               "it is momentum**(s/H) (also in the look-ahead), so a slow link's long rounds do not "
-                               "carry stale momentum; full: momentum as in a round of H steps (the code before "
-                               "2026-12-05). docs/design.md, 'Long rounds'")
+                               "it is momentum**(s/H) (linear between whole powers; s/H at most 64; also in the "
+                               "look-ahead), so a slow link's long rounds do not carry stale momentum; full: momentum "
+                               "as in a round of H steps (the code before 2026-12-05). docs/design.md, 'Long rounds'")
 
 
 class ContributionLimits(NamedTuple):

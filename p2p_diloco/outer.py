@@ -19,9 +19,9 @@ which is the step above at w = 1 and no step at all (b and Θ unchanged) as w an
 round of a handful of steps still moved Θ by lr·μ²·b, about 80% of a full step, on momentum alone
 (docs/design.md, "Short rounds").
 
-A round whose contributions carry more than H inner steps each (a slow link's long period, the round
-after a failed one) spans r = s/H > 1 outer steps' time (:func:`round_span`: the lower median of the
-steps over H). With ``outer.long_rounds = "decayed"`` (the default) the momentum that goes on past it
+A round whose contributions carry s > H inner steps, s the lower median of their steps (a slow link's
+long period, the round after a failed one), spans r = s/H > 1 outer steps' time (:func:`round_span`,
+at most :data:`MAX_SPAN`). With ``outer.long_rounds = "decayed"`` (the default) the momentum that goes on past it
 is μʳ instead of μ, in the decay of b and in the look-ahead alike (μ replaced by μʳ above)::
 
     b ← μʳ·b + Δ̄
@@ -254,7 +254,8 @@ class OuterOptimizer:
         history recorded. ``avg_delta``: the averaged outer gradient, one tensor per parameter (ValueError otherwise).
         ``work``: the share of a full outer step the round carries (:func:`round_work`); below 1 it scales the
         momentum's part when ``outer.short_rounds`` is "scaled". ``span``: the outer steps' time the round spans
-        (:func:`round_span`); above 1 the momentum going on is μ**span when ``outer.long_rounds`` is "decayed".
+        (:func:`round_span`); above 1 the momentum going on is :func:`decayed_momentum` (μ**span at whole spans)
+        when ``outer.long_rounds`` is "decayed".
         """
         if len(avg_delta) != len(state.params):
             raise ValueError(f"expected {len(state.params)} outer gradients, got {len(avg_delta)}")

@@ -267,7 +267,7 @@ class OuterOptimizer:
         for p, b, d in zip(state.params, state.momentum, avg_delta, strict=True):
             if d.shape != p.shape:
                 raise ValueError(f"outer gradient of shape {tuple(d.shape)} for parameter {tuple(p.shape)}")
-            if mu == 0:
+            if self.cfg.momentum == 0:  # not the decayed μ: μ**span may underflow to 0 for a tiny μ
                 p.sub_(d, alpha=lr)
                 continue
             if state.momentum_initialized:

@@ -170,14 +170,8 @@ class Rounds:
                 self._detach(task, time.perf_counter() - waited)
                 return None
         self.inflight = None
-        out, f = _outcome(task), task.fragment.index
-        self.audit.round(f, out, self.cfg.codec_for(f), task.tokens)
+        out, f = self._ended(task, late=False), task.fragment.index
         self.last_outcome = out
-        c.bytes_sent += out.bytes_sent
-        self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
-        if self.pace is not None:
-            self.pace.observe_round(out.round_seconds, out.group_size)
-        self.metrics.round(f, out)
         if out.committed:
             self._apply(task)
         else:
@@ -194,6 +188,20 @@ class Rounds:
             f"round {out.round_seconds:.2f}s sent {out.bytes_sent / 1e6:.3f} MB"
             + (f" certified in {out.certify_seconds:.2f}s" if out.committed else "")
         )
+        return out
+
+    def _ended(self, task: InFlight, late: bool) -> RoundOutcome:
+        """A round of ours has ended, on time or ``late`` (detached): the one place it is measured, counted and
+        audited. A late round is the slow link the pace and the grace window exist for: unmeasured, every round
+        on a 1 Mbit/s link outlived its wait, the period stayed at its starting 60 s and fragment 1's slot was
+        skipped for the first 7 minutes (WAN benchmark, 2026-12-05)."""
+        out, f = _outcome(task), task.fragment.index
+        self.audit.round(f, out, self.cfg.codec_for(f), task.tokens, late=late)
+        self.state.counters.bytes_sent += out.bytes_sent
+        self.grace.observe_round(out.round_seconds, out.allreduce_seconds, task.window)
+        if self.pace is not None:
+            self.pace.observe_round(out.round_seconds, out.group_size)
+        self.metrics.round(f, out)
         return out
 
     def _apply(self, task: InFlight) -> None:
@@ -238,14 +246,7 @@ class Rounds:
         if task is None or task.running():
             return
         self.detached = None
-        out, f = _outcome(task), task.fragment.index
-        self.audit.round(f, out, self.cfg.codec_for(f), task.tokens, late=True)
-        self.state.counters.bytes_sent += out.bytes_sent
-        if self.pace is not None:
-            # A late round is the slow link the pace exists for: unmeasured, every round on a 1 Mbit/s link
-            # outlived its wait, the period stayed at its starting 60 s and fragment 1's slot was skipped for
-            # the first 7 minutes (WAN benchmark, 2026-12-05).
-            self.pace.observe_round(out.round_seconds, out.group_size)
+        out, f = self._ended(task, late=True), task.fragment.index
         if not out.committed:
             self._failed()
             logger.info(f"fragment {f}: the round we stopped waiting for ended without a commit ({out.reason}); "

@@ -192,8 +192,11 @@ def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commi
     task.thread = threading.Thread(target=slow_round, daemon=True)
     task.thread.start()
     rounds.inflight = task
-    measured = []  # the pace (sync.pace = auto) measures a late round like one on time
+    measured = []  # the pace (sync.pace = auto), the grace window and the metrics see a late round like one on time
     rounds.pace = SimpleNamespace(observe_round=lambda seconds, size: measured.append((seconds, size)))
+    rounds.grace = SimpleNamespace(observe_round=lambda seconds, allreduce, window: measured.append(("grace", window)),
+                                   overlap_steps=0)
+    rounds.metrics = SimpleNamespace(round=lambda f, out: measured.append(("metrics", f, out.committed)))
     with torch.no_grad():
         p.fill_(1.5)  # 5 steps of progress after the round started
     state.counters.tokens_since_merge[0], state.counters.steps_since_merge[0] = 960, 15
@@ -212,7 +215,7 @@ def test_a_round_outliving_the_wait_at_tau_is_detached_and_applied_when_it_commi
     c = state.counters
     assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.missed_versions[0], c.outer_steps) == (320, 5, 0, 1)
     assert "training on" in caplog.text and "committed version 5" in caplog.text
-    assert measured == [(task.outcome.round_seconds, 2)]
+    assert measured == [("grace", 1.0), (task.outcome.round_seconds, 2), ("metrics", 0, True)]
 
 
 def test_a_round_that_raises_is_a_failed_outcome_not_an_exception(caplog):

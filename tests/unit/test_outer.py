@@ -237,6 +237,17 @@ def test_a_long_round_passes_on_the_momentum_of_its_span(nesterov):
             torch.testing.assert_close(p, p0 - 0.5 * (dd + mu * (mu * bb + dd)))
 
 
+def test_a_momentum_decayed_to_nothing_still_restarts_the_buffer():
+    # μ = 1e-6 over the longest span underflows to 0.0: the buffer must become the new outer gradient, not stay old.
+    assert decayed_momentum(1e-6, MAX_SPAN) == 0.0
+    params, b0, d = _tensors(5), _tensors(6), _tensors(7)
+    state = GlobalState(params=[p.clone() for p in params], momentum=[b.clone() for b in b0], momentum_initialized=True)
+    OuterOptimizer(OuterConfig(lr=0.5, momentum=1e-6, long_rounds="decayed")).apply(state, d, span=MAX_SPAN)
+    for b, p, p0, dd in zip(state.momentum, state.params, params, d, strict=True):
+        torch.testing.assert_close(b, dd)
+        torch.testing.assert_close(p, p0 - 0.5 * dd)
+
+
 def test_decayed_momentum_is_the_power_at_whole_spans_and_linear_between():
     assert decayed_momentum(0.9, 0.0) == 1.0 and decayed_momentum(0.9, 1.0) == 0.9
     for r in range(1, 20):

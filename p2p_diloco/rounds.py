@@ -81,6 +81,7 @@ class Rounds:
     audit: Audit = field(default_factory=Audit.disabled)  # audit.jsonl: each round's outcome
     last_outcome: RoundOutcome | None = None
     pending: dict[int, float] = field(default_factory=dict)  # fragment → deadline (monotonic) of a slot
+    late: set[int] = field(default_factory=set)  # pending slots that waited for the round before them (clock)
     # Steps schedule: added to the step counter to find due fragments; moved when we re-join the
     # swarm's rounds after losing phase with it (see rephase).
     phase_shift: int = 0
@@ -336,17 +337,23 @@ class Rounds:
                 if not self.inflight.running() or self.clock is None:
                     self.finish()  # its result is ready (or the overlap budget ran out): apply it now
                 elif now < self.pending[f]:
+                    self.late.add(f)
                     continue  # keep training; look again after the next inner step
                 else:
                     del self.pending[f]
+                    self.late.discard(f)
                     # The fragment's progress waits for its next slot.
                     logger.info(f"skipped fragment {f}'s slot: fragment {self.inflight.fragment.index}'s "
                                 "round is still in flight")
                     continue
             del self.pending[f]
-            self._open_slot(self.state.fragments[f])
+            late = f in self.late
+            self.late.discard(f)
+            self._open_slot(self.state.fragments[f], late)
 
-    def _open_slot(self, frag: Fragment) -> None:
+    def _open_slot(self, frag: Fragment, late: bool = False) -> None:
+        """Start fragment ``frag``'s round at its slot, unless something says it would be wasted. ``late``: the
+        slot waited for the round before it to end (clock schedule)."""
         f = frag.index
         if self.detached is not None:
             # The averager is still busy with the round we stopped waiting for: a round now would
@@ -368,12 +375,41 @@ class Rounds:
             return
         if self.at_target(f):
             return
+        if late and self._alone_at(f):
+            return
         self.start(frag)
         if not background and self.last_outcome is not None and self.last_outcome.superseded:
             # Late for the swarm's round: take its newer Θ (our steps are rebased onto it).
             self.catch_up.start()
             if not self._wait_for_the_swarm(f) and not self.at_target(f):
                 self.start(frag)
+
+    def _alone_at(self, f: int) -> bool:
+        """Clock schedule, a slot opened late (its previous round ended within the slot's patience): whether
+        nobody is looking for a group of fragment ``f`` at our version any more, so that a round now would
+        search alone until its timeout.
+
+        Whether the round before a slot ends in time differs between learners by seconds (certificates, a
+        slower member's share of the all-reduce): at 1 Mbit/s three learners skipped a slot that the fourth,
+        a few seconds ahead of them, opened; it searched alone for 31 s, and that round, still in flight, made
+        it skip its next slot too (WAN benchmark, 2026-12-05). A latecomer joins a search in progress or skips
+        the slot: its progress waits for the next one, as the others' does. A failed DHT look counts as
+        someone looking (the round goes ahead, as it did before this check).
+        """
+        version = self.state.states[f].version
+        looked = time.perf_counter()
+        try:
+            others = self.averaging.searching_peers(f, version)
+        except Exception as e:  # noqa: BLE001 - a failed DHT look is no reason to skip a round
+            logger.debug(f"could not look for the others' rounds: {type(e).__name__}: {e}")
+            return False
+        finally:
+            self.state.counters.wait_seconds += time.perf_counter() - looked
+        if others:
+            return False
+        logger.info(f"skipped fragment {f}'s slot: we came late to it and nobody is looking for a group of it at "
+                    f"version {version} any more")
+        return True
 
     def _wait_for_the_swarm(self, f: int) -> bool:
         """The swarm committed fragment ``f`` without us (we were late for its round) and we took its state:

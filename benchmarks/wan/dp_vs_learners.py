@@ -82,6 +82,7 @@ LEARNERS = [
 ]
 NO_GROUP = re.compile(r"outer round not committed \(.*(no group formed|could not find a group)")
 STARTED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*eval_loss [\d.]+ before training")
+LINE_TIME = re.compile(r"^\s*\S+ \| (\d\d:\d\d:\d\d) ")
 REACHED = re.compile(r"^\s*(\S+) \| (\d\d:\d\d:\d\d) \S+ .*global model eval_loss ([\d.]+) at version (\d+) "
                      r"\(target [\d.]+: reached\)")
 
@@ -230,6 +231,20 @@ def change_rate(prefix: str, rate: str) -> int:
     return len(ends)
 
 
+def _round_counts(text: str) -> dict:
+    """Rounds committed, not committed and without a group, and slots skipped, in a run's log ``text``."""
+    return {
+        # A round the learner stopped waiting for at τ ends later, in its own words (counted since 2026-12-05).
+        "rounds_committed": len(re.findall(r"outer round committed|the round we stopped waiting for committed", text)),
+        "rounds_not_committed": len(re.findall(r"outer round not committed|the round we stopped waiting for ended "
+                                               r"without a commit", text)),
+        # Ours says "no group formed" when the round window closes empty; hivemind's matchmaking, "could not find a
+        # group" (the only one the runs of 2026-12-03 logged; this count missed it until 2026-12-03).
+        "rounds_without_group": len(re.findall(NO_GROUP, text)),
+        "slots_skipped": len(re.findall(r"skipped fragment \d+'s slot", text)),
+    }
+
+
 def learners_result(d: Path, rate: str) -> dict:
     """Figures of one learners' run, from its log and summaries. The launch time is the moment the
     topology file was written, just before ``p2p-diloco regions`` started."""
@@ -242,16 +257,13 @@ def learners_result(d: Path, rate: str) -> dict:
     learners = summary["learners"]
     first = min(reached, key=lambda r: r[1]) if reached else None
     started = [_seconds_since(launched, m.group(2)) for line in text.splitlines() if (m := STARTED.match(line))]
+    # The whole run's rounds include those after the target, when finished learners leave and the last ones look
+    # for groups that no longer form; the rounds up to the first learner at the target are the swarm at work.
+    upto = "\n".join(line for line in text.splitlines() if first and (m := LINE_TIME.match(line))
+                      and _seconds_since(launched, m.group(1)) <= first[1])
     return {
         "rate": rate, "period_seconds": None if periods else period_seconds(rate), "periods_taken": periods,
-        # A round the learner stopped waiting for at τ ends later, in its own words (counted since 2026-12-05).
-        "rounds_committed": len(re.findall(r"outer round committed|the round we stopped waiting for committed", text)),
-        "rounds_not_committed": len(re.findall(r"outer round not committed|the round we stopped waiting for ended "
-                                               r"without a commit", text)),
-        # Ours says "no group formed" when the round window closes empty; hivemind's matchmaking, "could not find a
-        # group" (the only one the runs of 2026-12-03 logged; this count missed it until 2026-12-03).
-        "rounds_without_group": len(re.findall(NO_GROUP, text)),
-        "slots_skipped": len(re.findall(r"skipped fragment \d+'s slot", text)),
+        **_round_counts(text), "to_target": _round_counts(upto) if first else None,
         "time_to_target_seconds": first[1] if first else None,
         "startup_seconds": min(started) if started else None,
         "reached_by": first[0] if first else None, "version_at_target": first[3] if first else None,
@@ -356,7 +368,10 @@ def learners_only(a: argparse.Namespace, work: Path, change: tuple[str, float] |
         print(f"[learners {rate}{'' if change is None else f' then {change[0]}'}] time to target {t} s (version "
               f"{ln['version_at_target']}), one state per version {ln['one_state_per_version']}; rounds "
               f"{ln['rounds_committed']} committed, {ln['rounds_not_committed']} not ({ln['rounds_without_group']} "
-              f"without a group), {ln['slots_skipped']} slots skipped; periods {ln['periods_taken']}; "
+              f"without a group), {ln['slots_skipped']} slots skipped"
+              + ("" if not (tt := ln["to_target"]) else f" (to the target: {tt['rounds_committed']} / "
+                 f"{tt['rounds_not_committed']} / {tt['rounds_without_group']}, {tt['slots_skipped']} skipped)")
+              + f"; periods {ln['periods_taken']}; "
               f"compute share {ln['utilization']:.1%}; speed-up "
               + (f"{rows[-1]['speedup']:.1f}×" if rows[-1]["speedup"] else "–"), flush=True)
         res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",

@@ -150,3 +150,69 @@ def test_on_the_clock_schedule_a_learner_that_took_a_state_at_its_slot_rounds_in
     learner.catch_up = SimpleNamespace(start=lambda background=False: [2], downloading=lambda f: False)
     learner._open_slot(learner.state.fragments[2])
     assert started == [2] and not learner.out_of_phase
+
+
+class _Clock:
+    """A clock schedule whose due fragments the test sets."""
+
+    def __init__(self):
+        self.now: list[int] = []
+
+    def due(self, now):
+        due, self.now = self.now, []
+        return [SimpleNamespace(index=f) for f in due]
+
+
+def _on_the_clock(searching):
+    learner = _learner(searching, steps=110, overlap=2)
+    learner.clock, learner.out_of_phase = _Clock(), False
+    learner.catch_up = SimpleNamespace(start=lambda background=False: [], downloading=lambda f: False)
+    started, finished = [], []
+    learner.start = lambda frag, background=None: started.append(frag.index)
+    running = [True]
+    learner.inflight = SimpleNamespace(running=lambda: running[0], fragment=SimpleNamespace(index=1))
+
+    def finish():
+        finished.append(True)
+        learner.inflight = None
+
+    learner.finish = finish
+    return learner, started, running
+
+
+def test_a_slot_opened_late_joins_a_search_in_progress_or_is_skipped(caplog):
+    """At 1 Mbit/s three learners skipped a slot while their round ran on past its patience; the fourth, whose
+    round ended a few seconds sooner, opened it and searched alone for 31 s (WAN benchmark, 2026-12-05)."""
+    for searching, expected in (({}, []), ({(2, 7): 2}, [2])):
+        learner, started, running = _on_the_clock(searching)
+        learner.clock.now = [2]
+        learner.sync_due_fragments()  # fragment 1's round still runs: the slot waits (its patience)
+        assert started == [] and list(learner.pending) == [2] and learner.averaging.looks == 0
+        running[0] = False  # it ended within the patience: the slot opens late, after a look in the DHT
+        with caplog.at_level("INFO", logger="p2p_diloco.rounds"):
+            learner.sync_due_fragments()
+        assert started == expected and learner.averaging.looks == 1 and not learner.pending and not learner.late
+        assert ("nobody is looking for a group of it at version 7" in caplog.text) == (not expected)
+        caplog.clear()
+
+
+def test_a_slot_opened_on_time_starts_without_a_look():
+    learner, started, running = _on_the_clock({})
+    running[0] = False  # the round before ended before the slot
+    learner.clock.now = [2]
+    learner.sync_due_fragments()
+    assert started == [2] and learner.averaging.looks == 0
+
+
+def test_a_failed_look_lets_a_late_slot_start():
+    learner, started, running = _on_the_clock({})
+
+    def broken(fragment, version):
+        raise TimeoutError("dht")
+
+    learner.averaging.searching_peers = broken
+    learner.clock.now = [2]
+    learner.sync_due_fragments()
+    running[0] = False
+    learner.sync_due_fragments()
+    assert started == [2]

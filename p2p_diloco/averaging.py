@@ -70,11 +70,13 @@ class Averaging(Protocol):
         version: int,
         fragment: int = 0,
         grace: float | None = None,
+        search_seconds: float | None = None,
     ) -> AverageResult:
         """Average ``deltas`` with a group at (``fragment``, ``version``); raise :class:`RoundFailed` if
         none forms or the group excluded our contribution, :class:`RoundSuperseded` when the swarm moved
         past ``version`` meanwhile. ``metadata`` is gathered to the group (with ``weight`` and what
-        :mod:`p2p_diloco.exclusion` needs added)."""
+        :mod:`p2p_diloco.exclusion` needs added). ``search_seconds``: how long to look for a group at most
+        (None: ``averaging.round_timeout``); never less than the wait for the group's scheduled start."""
         ...
 
     def set_state_priority(self, version: int) -> None:

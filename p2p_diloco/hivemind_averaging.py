@@ -44,6 +44,23 @@ logger = get_logger(__name__)
 _STEP_FAILURES = (Exception, asyncio.CancelledError)
 
 
+def search_timeout(round_timeout: float, matchmaking_time: float, grace: float | None,
+                   search_seconds: float | None) -> float:
+    """hivemind's step timeout for a round: how long its search for a group may last (the deadline ends the
+    search, not an all-reduce under way). ``round_timeout``, or the grace window and a second if longer; cut
+    to ``search_seconds`` when given, but never before a second past the group's scheduled start.
+
+    >>> search_timeout(30.0, 2.5, 10.0, None), search_timeout(30.0, 2.5, 40.0, None)
+    (30.0, 41.0)
+    >>> search_timeout(30.0, 2.5, 10.0, 2.5), search_timeout(30.0, 2.5, 1.0, 2.5), search_timeout(30.0, 2.5, None, 0.0)
+    (11.0, 3.5, 3.5)
+    """
+    timeout = round_timeout if grace is None else max(round_timeout, grace + 1.0)
+    if search_seconds is not None:
+        timeout = min(timeout, max(search_seconds, max(grace or 0.0, matchmaking_time) + 1.0))
+    return timeout
+
+
 @dataclass
 class HivemindAveraging:
     """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state.
@@ -141,19 +158,21 @@ class HivemindAveraging:
         version: int,
         fragment: int = 0,
         grace: float | None = None,
+        search_seconds: float | None = None,
     ) -> AverageResult:
         """Average one fragment's ``deltas`` with a group at (fragment, version).
 
         ``grace``: how long the leader may wait for groupmates beyond the quorum (at least the
         configured matchmaking time, hivemind's own minimum). ``metadata`` without a ``norm`` gathers
-        the norm of ``deltas``. Every call counts as one round of this learner's
-        :class:`~p2p_diloco.exclusion.Bans`.
+        the norm of ``deltas``. ``search_seconds``: how long to look for a group at most (None:
+        ``round_timeout``), never less than a second past the group's scheduled start. Every call counts as one
+        round of this learner's :class:`~p2p_diloco.exclusion.Bans`.
         """
         with self._lock:  # one round at a time
             # The previous round's exclusions become bans as this round starts, after that round logged them.
             self._bans.after_round(self._last_verdict, self.peer_id)
             self._last_verdict = None
-            result = self._average(deltas, weight, metadata, version, fragment, grace)
+            result = self._average(deltas, weight, metadata, version, fragment, grace, search_seconds)
             self._last_verdict = result.verdict
             return result
 
@@ -201,14 +220,14 @@ class HivemindAveraging:
         return signed_metadata.sign(gathered, key) if key is not None else gathered
 
     def _average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any], version: int,
-                 fragment: int, grace: float | None) -> AverageResult:
+                 fragment: int, grace: float | None, search_seconds: float | None = None) -> AverageResult:
         assert self.fragments is not None  # set in __post_init__
         indices = self.fragments[fragment]
         with self._averager.get_tensors() as buffers:
             for i, d in zip(indices, deltas, strict=True):
                 buffers[i].copy_(d)
         scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
-        timeout = self.cfg.round_timeout if grace is None else max(self.cfg.round_timeout, grace + 1.0)
+        timeout = search_timeout(self.cfg.round_timeout, self.cfg.matchmaking_time, grace, search_seconds)
         self._averager.set_group_bits(group_bits(fragment, version))
         self._set_quorum()
         began = time.time()  # wall clock: the averager process stamps the group's forming with it

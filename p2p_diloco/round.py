@@ -85,6 +85,7 @@ class OuterRound:
     fragment: int = 0
     rda: bool = False
     grace: float | None = None
+    search_seconds: float | None = None  # how long to look for a group at most (None: averaging.round_timeout)
     certifier: Certifier | None = None  # None: commits carry no certificate (tests of the round alone)
     verify_reducers: bool = True  # check the shards against the senders' sketches before signing
     steps_per_outer: int | None = None  # H: a round of fewer steps is a share of an outer step (None: always whole)
@@ -146,7 +147,8 @@ class OuterRound:
         self.stage = Stage.AVERAGING
         try:
             result = self.averaging.average(
-                self._delta, float(self.weight), meta, self.state.version, fragment=self.fragment, grace=self.grace
+                self._delta, float(self.weight), meta, self.state.version, fragment=self.fragment, grace=self.grace,
+                search_seconds=self.search_seconds,
             )
         except RoundSuperseded as e:
             outcome = self._fail(str(e))

@@ -120,9 +120,10 @@ class Rounds:
             self.poll_detached()
         self.catch_up.finish()
 
-    def start(self, frag: Fragment, background: bool | None = None) -> None:
+    def start(self, frag: Fragment, background: bool | None = None, search_seconds: float | None = None) -> None:
         """Start fragment ``frag``'s round: in the background when τ > 0 (applied at ``apply_at``),
-        else (or with ``background=False``) here, applying its result before returning."""
+        else (or with ``background=False``) here, applying its result before returning. ``search_seconds``:
+        how long its search for a group may last at most (None: ``averaging.round_timeout``)."""
         cfg, c, f = self.cfg, self.state.counters, frag.index
         tau = self.overlap()
         if background is None:
@@ -142,6 +143,7 @@ class Rounds:
             weight=token_weight(task.tokens, task.steps, c.missed_versions[f], cfg.sync.weighting),
             fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window, certifier=self.certifier,
             verify_reducers=cfg.averaging.verify_reducers, steps_per_outer=cfg.inner.steps_per_outer,
+            search_seconds=search_seconds,
         )
 
         def run() -> None:
@@ -375,9 +377,8 @@ class Rounds:
             return
         if self.at_target(f):
             return
-        if late and self._alone_at(f):
-            return
-        self.start(frag)
+        # A latecomer alone at its slot looks only while a group of latecomers like it could form.
+        self.start(frag, search_seconds=self.cfg.averaging.matchmaking_time if late and self._alone_at(f) else None)
         if not background and self.last_outcome is not None and self.last_outcome.superseded:
             # Late for the swarm's round: take its newer Θ (our steps are rebased onto it).
             self.catch_up.start()
@@ -385,16 +386,17 @@ class Rounds:
                 self.start(frag)
 
     def _alone_at(self, f: int) -> bool:
-        """Clock schedule, a slot opened late (its previous round ended within the slot's patience): whether
-        nobody is looking for a group of fragment ``f`` at our version any more, so that a round now would
-        search alone until its timeout.
+        """Clock schedule, a slot opened late (the round before it ended within the slot's patience): whether
+        nobody is looking for a group of fragment ``f`` at our version, so that a search now would find no one
+        who came on time.
 
         Whether the round before a slot ends in time differs between learners by seconds (certificates, a
         slower member's share of the all-reduce): at 1 Mbit/s three learners skipped a slot that the fourth,
-        a few seconds ahead of them, opened; it searched alone for 31 s, and that round, still in flight, made
-        it skip its next slot too (WAN benchmark, 2026-12-05). A latecomer joins a search in progress or skips
-        the slot: its progress waits for the next one, as the others' does. A failed DHT look counts as
-        someone looking (the round goes ahead, as it did before this check).
+        a few seconds ahead of them, opened; it searched alone for 31 s (``round_timeout``), and that round,
+        still in flight, made it skip its next slot too (WAN benchmark, 2026-12-05). Such a latecomer's search
+        is cut to the slot's window: other latecomers, whose rounds ended as late as its own, can still meet
+        it there (had everyone come late, skipping would lose the slot for all), and alone it is free again
+        within seconds. A failed DHT look counts as someone looking (the search runs its full time).
         """
         version = self.state.states[f].version
         looked = time.perf_counter()
@@ -407,8 +409,8 @@ class Rounds:
             self.state.counters.wait_seconds += time.perf_counter() - looked
         if others:
             return False
-        logger.info(f"skipped fragment {f}'s slot: we came late to it and nobody is looking for a group of it at "
-                    f"version {version} any more")
+        logger.info(f"fragment {f}: we came late to its slot and nobody is looking for a group of it at version "
+                    f"{version}: a short search (only latecomers like us can still come)")
         return True
 
     def _wait_for_the_swarm(self, f: int) -> bool:

@@ -95,3 +95,16 @@ def test_the_setting_is_checked_and_joins_the_lineage():
     fixed, most = (load_learner_config(SMALL, o) for o in (["averaging.quorum=fixed", *full_steps], full_steps))
     assert lineage_id(fixed) == "2543e0b8"  # a fixed quorum keeps the id lineages had before the setting
     assert lineage_id(most) != lineage_id(fixed)  # learners that apply different quorums never meet
+
+
+def test_a_search_is_cut_to_search_seconds_but_never_before_the_groups_scheduled_start():
+    from p2p_diloco.hivemind_averaging import search_timeout
+
+    assert search_timeout(30.0, 2.5, 10.0, None) == 30.0  # round_timeout
+    assert search_timeout(30.0, 2.5, 40.0, None) == 41.0  # a grace window longer than it
+    assert search_timeout(30.0, 2.5, None, None) == 30.0
+    # A latecomer's short search: a second past the scheduled start (the grace window, at least the matchmaking time).
+    assert search_timeout(30.0, 2.5, 10.0, 2.5) == 11.0
+    assert search_timeout(30.0, 2.5, 1.0, 2.5) == 3.5
+    assert search_timeout(30.0, 2.5, None, 0.0) == 3.5
+    assert search_timeout(30.0, 2.5, 1.0, 60.0) == 30.0  # never longer than it would have been

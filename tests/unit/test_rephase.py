@@ -119,7 +119,7 @@ def test_a_learner_late_for_the_swarms_round_takes_its_state_and_waits_for_its_n
 def test_after_two_late_slots_in_a_row_a_learner_rounds_at_once_and_a_merge_is_no_lateness():
     learner = _learner({}, steps=110, overlap=0)
     started = []
-    learner.start = lambda frag, background=None: started.append(frag.index)
+    learner.start = lambda frag, background=None, search_seconds=None: started.append(frag.index)
     merged = []
 
     def start(background=False):
@@ -146,7 +146,7 @@ def test_on_the_clock_schedule_a_learner_that_took_a_state_at_its_slot_rounds_in
     learner.clock = object()  # everyone's slot is the same wall-clock time
     learner.out_of_phase = False
     started = []
-    learner.start = lambda frag, background=None: started.append(frag.index)
+    learner.start = lambda frag, background=None, search_seconds=None: started.append(frag.index)
     learner.catch_up = SimpleNamespace(start=lambda background=False: [2], downloading=lambda f: False)
     learner._open_slot(learner.state.fragments[2])
     assert started == [2] and not learner.out_of_phase
@@ -168,7 +168,7 @@ def _on_the_clock(searching):
     learner.clock, learner.out_of_phase = _Clock(), False
     learner.catch_up = SimpleNamespace(start=lambda background=False: [], downloading=lambda f: False)
     started, finished = [], []
-    learner.start = lambda frag, background=None: started.append(frag.index)
+    learner.start = lambda frag, background=None, search_seconds=None: started.append((frag.index, search_seconds))
     running = [True]
     learner.inflight = SimpleNamespace(running=lambda: running[0], fragment=SimpleNamespace(index=1))
 
@@ -180,20 +180,35 @@ def _on_the_clock(searching):
     return learner, started, running
 
 
-def test_a_slot_opened_late_joins_a_search_in_progress_or_is_skipped(caplog):
+def test_a_slot_opened_late_joins_a_search_in_progress_or_searches_only_within_its_window(caplog):
     """At 1 Mbit/s three learners skipped a slot while their round ran on past its patience; the fourth, whose
     round ended a few seconds sooner, opened it and searched alone for 31 s (WAN benchmark, 2026-12-05)."""
-    for searching, expected in (({}, []), ({(2, 7): 2}, [2])):
+    for searching, expected in (({}, [(2, 3.0)]), ({(2, 7): 2}, [(2, None)])):
         learner, started, running = _on_the_clock(searching)
         learner.clock.now = [2]
         learner.sync_due_fragments()  # fragment 1's round still runs: the slot waits (its patience)
-        assert started == [] and list(learner.pending) == [2] and learner.averaging.looks == 0
+        assert started == [] and list(learner.pending) == [2] and learner.late == {2}
+        assert learner.averaging.looks == 0
         running[0] = False  # it ended within the patience: the slot opens late, after a look in the DHT
         with caplog.at_level("INFO", logger="p2p_diloco.rounds"):
             learner.sync_due_fragments()
+        # Alone: a search of the matchmaking time (3 s), where other latecomers can still meet us; else a round.
         assert started == expected and learner.averaging.looks == 1 and not learner.pending and not learner.late
-        assert ("nobody is looking for a group of it at version 7" in caplog.text) == (not expected)
+        assert ("nobody is looking for a group of it at version 7" in caplog.text) == (expected[0][1] is not None)
         caplog.clear()
+
+
+def test_a_slot_skipped_after_its_patience_leaves_no_late_mark_on_the_next():
+    learner, started, running = _on_the_clock({})
+    learner.clock.now = [2]
+    learner.sync_due_fragments()
+    learner.pending[2] = time.monotonic() - 1  # its patience ran out: skipped
+    learner.sync_due_fragments()
+    assert started == [] and not learner.pending and not learner.late
+    running[0] = False
+    learner.clock.now = [2]  # the next slot, on time: no look, a full search
+    learner.sync_due_fragments()
+    assert started == [(2, None)] and learner.averaging.looks == 0
 
 
 def test_a_slot_opened_on_time_starts_without_a_look():
@@ -201,10 +216,10 @@ def test_a_slot_opened_on_time_starts_without_a_look():
     running[0] = False  # the round before ended before the slot
     learner.clock.now = [2]
     learner.sync_due_fragments()
-    assert started == [2] and learner.averaging.looks == 0
+    assert started == [(2, None)] and learner.averaging.looks == 0
 
 
-def test_a_failed_look_lets_a_late_slot_start():
+def test_a_failed_look_lets_a_late_slot_search_its_full_time():
     learner, started, running = _on_the_clock({})
 
     def broken(fragment, version):
@@ -215,4 +230,4 @@ def test_a_failed_look_lets_a_late_slot_start():
     learner.sync_due_fragments()
     running[0] = False
     learner.sync_due_fragments()
-    assert started == [2]
+    assert started == [(2, None)]

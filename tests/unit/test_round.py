@@ -74,7 +74,7 @@ class _StubAveraging:
     def __init__(self, deltas, groupmates):
         self.deltas, self.groupmates = deltas, groupmates
 
-    def average(self, deltas, weight, metadata, version, fragment=0, grace=None):
+    def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None):
         from p2p_diloco.averaging import AverageResult
 
         mates = {k: (dict(metadata) if v == "same" else v) for k, v in self.groupmates.items()}

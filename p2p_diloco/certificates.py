@@ -217,10 +217,12 @@ class Certifier(Protocol):
     lineage: str
 
     def certify(self, commit: Commit, sketch: dict[str, Any] | None = None,
-                verify: Callable[[dict[str, Any]], str] | None = None, sketch_key: str = "") -> Certificate | str:
+                verify: Callable[[dict[str, Any]], str] | None = None, sketch_key: str = "",
+                patience: float = 0.0) -> Certificate | str:
         """The certificate, once a quorum signed; or why not (the caller does not commit). With ``verify``,
         sign only if it passes on every contributor's sketch, ours ``sketch``, theirs under ``sketch_key``
-        (:mod:`p2p_diloco.shard_sketches`)."""
+        (:mod:`p2p_diloco.shard_sketches`). ``patience``: the round's all-reduce seconds; the wait for
+        sketches and signatures lasts at least that long."""
         ...
 
 

@@ -15,6 +15,7 @@ signature among theirs); it then adopts their certified state like any learner t
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,8 +54,15 @@ class CommitBoard:
     _me: Signature | None = field(default=None, init=False, repr=False)
 
     def certify(self, commit: Commit, sketch: dict[str, Any] | None = None,
-                verify: Callable[[dict[str, Any]], str] | None = None, sketch_key: str = "") -> Certificate | str:
+                verify: Callable[[dict[str, Any]], str] | None = None, sketch_key: str = "",
+                patience: float = 0.0) -> Certificate | str:
         """Sign ``commit``, publish the signature, collect the others'; the certificate, or why it failed.
+
+        The wait lasts ``timeout`` seconds, or ``patience`` (the round's all-reduce seconds) when longer: the
+        sketches and signatures are DHT records that cross the same links as the all-reduce, behind whatever
+        else is queued there. At 1 Mbit/s, after all-reduces of 30–40 s, one member of a group of four gave up
+        after 10 s ("no sketch from … within 10 s") while the three others committed, and it spent the next
+        six minutes behind the swarm (WAN benchmark, 2026-12-05); a constant is right for one link only.
 
         With ``verify`` (a round's reducers are checked, :mod:`p2p_diloco.shard_sketches`): first wait for the
         sketch of every contributor under ``sketch_key`` (each member's averager published its own there right
@@ -70,8 +78,9 @@ class CommitBoard:
             return cert  # a round of one: our own signature is the whole certificate
         key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"
         started, reached = time.monotonic(), None
+        limit = max(self.timeout, patience) if math.isfinite(patience) else self.timeout
         if verify is not None:
-            why = self._verified(sketch_key, commit, sketch, verify, started)
+            why = self._verified(sketch_key, commit, sketch, verify, started, limit)
             if why:
                 return why
         value = msgpack.packb({"commit": commit.to_dict(), "signature": mine.to_list()}, use_bin_type=True)
@@ -85,15 +94,15 @@ class CommitBoard:
                 reached = now
             if signers >= everyone or (reached is not None and now - reached >= self.settle):
                 return cert
-            if now - started >= self.timeout or self.should_stop():
+            if now - started >= limit or self.should_stop():
                 if reached is not None:
                     return cert
                 return (f"commit of fragment {commit.fragment} version {commit.version} not certified: "
-                        f"{signers} of the quorum {self.quorum} signatures within {self.timeout:g} s")
+                        f"{signers} of the quorum {self.quorum} signatures within {limit:g} s")
             time.sleep(self.poll)
 
     def _verified(self, sketch_key: str, commit: Commit, sketch: dict[str, Any] | None,
-                  verify: Callable[[dict[str, Any]], str], started: float) -> str:
+                  verify: Callable[[dict[str, Any]], str], started: float, limit: float) -> str:
         """Wait for every contributor's sketch; ``verify``'s verdict on them, or why they did not come."""
         me = self.owner_of(self.dht.owner)
         while True:
@@ -103,10 +112,10 @@ class CommitBoard:
             missing = [p for p in commit.contributors if p not in found]
             if not missing:
                 return verify(found)
-            if time.monotonic() - started >= self.timeout or self.should_stop():
+            if time.monotonic() - started >= limit or self.should_stop():
                 return (f"commit of fragment {commit.fragment} version {commit.version} not signed: its reducers "
                         f"could not be checked, no sketch from {', '.join(p[-6:] for p in missing)} within "
-                        f"{self.timeout:g} s")
+                        f"{limit:g} s")
             time.sleep(self.poll)
 
     def _sketches(self, key: str) -> dict[str, Any]:

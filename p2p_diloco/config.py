@@ -180,7 +180,8 @@ class AveragingConfig(_Section):
                           "instead of being committed; needs every contributor's sketch")
     certify_timeout: float = Field(
         10.0, gt=0.0, description="after the all-reduce, how long a round waits for the signatures of at least K "
-                                  "contributors (its commit certificate) before it fails without committing")
+                                  "contributors (its commit certificate) before it fails without committing; at "
+                                  "least as long as the round's all-reduce took")
     max_tokens_per_step: int | None = Field(
         None, ge=1, lt=2**40, description="the most tokens one inner step of any learner of the swarm holds: a "
                                           "contribution's weight counts at most its inner steps times this many "

@@ -183,9 +183,10 @@ class OuterRound:
                             tuple(sorted(contributors)))
             if self.verify_reducers and result.sketch is not None and result.sketch_key:
                 cert = self.certifier.certify(commit, sketch=result.sketch, sketch_key=result.sketch_key,
-                                              verify=self._reducers_checker(result.sketch, result.verdict, mates))
+                                              verify=self._reducers_checker(result.sketch, result.verdict, mates),
+                                              patience=result.allreduce_seconds)
             else:
-                cert = self.certifier.certify(commit)
+                cert = self.certifier.certify(commit, patience=result.allreduce_seconds)
             if isinstance(cert, str):
                 return self._fail(cert, group_size=len(contributors))
             self.state.add_certificate(self.state.version, cert.to_dict())

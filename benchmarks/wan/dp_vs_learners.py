@@ -255,6 +255,7 @@ def learners_result(d: Path, rate: str) -> dict:
     summary = json.loads((d / "run" / "regions-summary.json").read_text())
     periods = sorted({float(m.group(1)) for m in re.finditer(r"round period now ([\d.]+) s", text)})
     learners = summary["learners"]
+    overrides = json.loads(o.read_text()) if (o := d / "overrides.json").exists() else None
     first = min(reached, key=lambda r: r[1]) if reached else None
     started = [_seconds_since(launched, m.group(2)) for line in text.splitlines() if (m := STARTED.match(line))]
     # The whole run's rounds include those after the target, when finished learners leave and the last ones look
@@ -262,7 +263,11 @@ def learners_result(d: Path, rate: str) -> dict:
     upto = "\n".join(line for line in text.splitlines() if first and (m := LINE_TIME.match(line))
                       and _seconds_since(launched, m.group(1)) <= first[1])
     return {
-        "rate": rate, "period_seconds": None if periods else period_seconds(rate), "periods_taken": periods,
+        # With sync.pace = auto the period starts at sync.period_seconds and follows the learners (periods_taken
+        # lists those it took); period_seconds(rate) is the fixed pace's, and no period of an auto run.
+        "rate": rate, "period_seconds": None if periods or "sync.pace=auto" in (overrides or LEARNERS)
+        else period_seconds(rate),
+        "periods_taken": periods,
         **_round_counts(text), "to_target": _round_counts(upto) if first else None,
         "time_to_target_seconds": first[1] if first else None,
         "startup_seconds": min(started) if started else None,
@@ -277,7 +282,7 @@ def learners_result(d: Path, rate: str) -> dict:
         "step_seconds": statistics.mean(s["compute_seconds"] / max(1, s["inner_steps"]) for s in learners.values()),
         "wan_bytes": summary["links"],
         "log": str(d / "regions.log"),
-        "learner_overrides": json.loads(o.read_text()) if (o := d / "overrides.json").exists() else None,
+        "learner_overrides": overrides,
     }
 
 

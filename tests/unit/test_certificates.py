@@ -1,6 +1,7 @@
 """Commit certificates: signatures, the verifier's rule, hostile input, and collecting over a DHT."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import msgpack
@@ -239,3 +240,15 @@ def test_certificates_link_a_state_to_an_ancestor_by_parent_hashes_or_say_they_c
     assert v.linked(0, (6, shas[6]), (3, shas[3]), chain(merge_at=5)) is None  # a merge names no parent
     assert v.linked(0, (6, "f" * 64), (3, shas[3]), chain()) is None  # not even the top is certified
     assert v.linked(0, (6, shas[6]), (7, shas[6]), chain()) is None  # "ancestor" above the state
+
+
+def test_the_wait_for_signatures_lasts_at_least_the_rounds_all_reduce(peers):
+    """A constant wait is right for one link: at 1 Mbit/s one member gave up after 10 s while the others, whose
+    records came through behind the all-reduce's data, committed (WAN benchmark, 2026-12-05)."""
+    board = CommitBoard(_Dht({}, b"me"), "run-lin", peers[0][1], quorum=2, timeout=0.1, poll=0.01)
+    started = time.monotonic()
+    out = board.certify(_commit(peers), patience=0.4)
+    assert isinstance(out, str) and "within 0.4 s" in out and time.monotonic() - started >= 0.4
+    for patience in (0.0, 0.05, float("nan"), float("inf")):  # shorter than the timeout, or not a duration
+        out = board.certify(_commit(peers), patience=patience)
+        assert isinstance(out, str) and "within 0.1 s" in out, patience

@@ -71,14 +71,14 @@ def test_failed_round_commits_nothing():
 class _StubAveraging:
     """Returns a canned result, to check what the round refuses."""
 
-    def __init__(self, deltas, groupmates):
-        self.deltas, self.groupmates = deltas, groupmates
+    def __init__(self, deltas, groupmates, seconds=0.0):
+        self.deltas, self.groupmates, self.seconds = deltas, groupmates, seconds
 
     def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None):
         from p2p_diloco.averaging import AverageResult
 
         mates = {k: (dict(metadata) if v == "same" else v) for k, v in self.groupmates.items()}
-        return AverageResult(self.deltas or [d.clone() for d in deltas], mates, 0.0, 0)
+        return AverageResult(self.deltas or [d.clone() for d in deltas], mates, self.seconds, 0)
 
 
 def test_round_refuses_groupmate_with_other_state():
@@ -101,6 +101,22 @@ def test_round_refuses_non_finite_or_huge_average():
                      params, 100, 10, max_delta_norm=10.0).run()
     assert not out.committed and "exceeds" in out.reason
     assert state.version == 0
+
+
+def test_the_certificate_waits_at_least_as_long_as_the_all_reduce_took():
+    class Certifier:
+        lineage = "run"
+        asked: list[float] = []
+
+        def certify(self, commit, sketch=None, verify=None, sketch_key="", patience=0.0):
+            self.asked.append(patience)
+            return "no signatures (test)"
+
+    state, params = _learner(1.0)
+    certifier = Certifier()
+    out = OuterRound(state, OuterOptimizer(OuterConfig()), _StubAveraging(None, {"me": "same"}, seconds=37.5),
+                     params, 100, 10, certifier=certifier).run()
+    assert not out.committed and out.reason == "no signatures (test)" and certifier.asked == [37.5]
 
 
 def test_round_without_progress_does_not_average():

@@ -46,7 +46,10 @@ def test_late_learner_catches_up_to_the_same_state(swarm):
     schedule = ["--set", "inner.lr_schedule=cosine", "--set", "inner.warmup_steps=20"]
     swarm.start_bootstrap()
     first = [swarm.start_learner(i, max_outer_steps=8, extra=schedule) for i in range(3)]
-    wait_until(lambda: committed_version(first[0]) >= 2, 150, first[0], "version 2")
+    # The swarm at version 2, by whichever learners committed it: on a loaded machine one of the three can be left out
+    # of every round (CI, 2026-12-05: learner 0's first outer gradient, 20 steps through the warm-up, was 22x the
+    # others' per square root of a step, which had joined the round with a step or two) and reach it by download.
+    wait_until(lambda: max(committed_version(p) for p in first) >= 2, 150, None, "version 2")
     # The newcomer enters through a running learner's address, not the bootstrap node.
     addr = re.search(r"visible at \['([^']+)'", first[1].text()).group(1)
     late = swarm.start_learner(3, max_outer_steps=8, peers=addr, extra=schedule)

@@ -311,11 +311,9 @@ class Rounds:
         for frag in self.state.fragments:
             if frag.index in self.pending or self.at_target(frag.index) or not c.steps_since_merge[frag.index]:
                 continue
-            try:
-                others = self.averaging.searching_peers(frag.index, self.state.states[frag.index].version)
-            except Exception as e:  # noqa: BLE001 - a failed DHT look is a missed chance, not an error
-                logger.debug(f"could not look for the others' rounds: {type(e).__name__}: {e}")
-                return
+            others = self._searching(frag.index)
+            if others is None:
+                return  # a failed DHT look is a missed chance, not an error
             if others:
                 shift = (frag.offset - steps) % h
                 logger.info(f"out of phase with the swarm: joining the round of fragment {frag.index} that "
@@ -398,20 +396,22 @@ class Rounds:
         it there (had everyone come late, skipping would lose the slot for all), and alone it is free again
         within seconds. A failed DHT look counts as someone looking (the search runs its full time).
         """
-        version = self.state.states[f].version
         looked = time.perf_counter()
-        try:
-            others = self.averaging.searching_peers(f, version)
-        except Exception as e:  # noqa: BLE001 - a failed DHT look is no reason to skip a round
-            logger.debug(f"could not look for the others' rounds: {type(e).__name__}: {e}")
-            return False
-        finally:
-            self.state.counters.wait_seconds += time.perf_counter() - looked
-        if others:
+        others = self._searching(f)
+        self.state.counters.wait_seconds += time.perf_counter() - looked
+        if others is None or others:
             return False
         logger.info(f"fragment {f}: we came late to its slot and nobody is looking for a group of it at version "
-                    f"{version}: a short search (only latecomers like us can still come)")
+                    f"{self.state.states[f].version}: a short search (only latecomers like us can still come)")
         return True
+
+    def _searching(self, f: int) -> int | None:
+        """How many other peers look for a group of fragment ``f`` at our version (DHT); None if the look failed."""
+        try:
+            return self.averaging.searching_peers(f, self.state.states[f].version)
+        except Exception as e:  # noqa: BLE001 - a peer's DHT hiccup is the caller's missed chance, not an error
+            logger.debug(f"could not look for the others' rounds: {type(e).__name__}: {e}")
+            return None
 
     def _wait_for_the_swarm(self, f: int) -> bool:
         """The swarm committed fragment ``f`` without us (we were late for its round) and we took its state:

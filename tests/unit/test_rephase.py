@@ -167,13 +167,12 @@ def _on_the_clock(searching):
     learner = _learner(searching, steps=110, overlap=2)
     learner.clock, learner.out_of_phase = _Clock(), False
     learner.catch_up = SimpleNamespace(start=lambda background=False: [], downloading=lambda f: False)
-    started, finished = [], []
+    started = []
     learner.start = lambda frag, background=None, search_seconds=None: started.append((frag.index, search_seconds))
     running = [True]
     learner.inflight = SimpleNamespace(running=lambda: running[0], fragment=SimpleNamespace(index=1))
 
     def finish():
-        finished.append(True)
         learner.inflight = None
 
     learner.finish = finish

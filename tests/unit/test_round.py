@@ -106,7 +106,9 @@ def test_round_refuses_non_finite_or_huge_average():
 def test_the_certificate_waits_at_least_as_long_as_the_all_reduce_took():
     class Certifier:
         lineage = "run"
-        asked: list[float] = []
+
+        def __init__(self):
+            self.asked: list[float] = []
 
         def certify(self, commit, sketch=None, verify=None, sketch_key="", patience=0.0):
             self.asked.append(patience)

@@ -4,8 +4,8 @@ Real processes on loopback: a bootstrap node and 3 learners with the chaos bench
 (benchmarks/chaos.py: 2 fragments on a 15 s clock, τ = 25, 0.1 s of sleep per step); once learner 0 has
 committed version 2 of fragment 1, a 4th learner starts from nothing (no checkpoint: a fresh AdamW) with
 ``inner.rejoin_warmup_steps = W`` for each W in ``--rewarm`` (0: the code before the re-warm-up). Learner
-0 logs at DEBUG, where the outlier rule prints every member's norm per √(inner steps) (per inner step
-before 2026-12-05). Printed per arm: those lines for the rounds the newcomer was in, every exclusion, and
+0 logs at DEBUG, where the outlier rule prints every member's norm per √(inner steps at the peak lr) (per
+inner step before 2026-12-05). Printed per arm: those lines for the rounds the newcomer was in, every exclusion, and
 the newcomer's own rounds. Where the newcomer's start falls against the 15 s clock decides whether its
 first round comes after 1 inner step or after ~25, so give an arm more than once to see both.
 
@@ -65,7 +65,8 @@ def arm(rewarm: int, work: Path) -> list[str]:
     lines = [f"newcomer {peer}"]
     for p in procs[1:]:
         for line in p.text().splitlines():
-            if (re.search(r"norms per (inner step|√\(inner steps\))", line) and peer in line) or "excluded" in line or (
+            norms = re.search(r"norms per (inner step|√\(inner steps( at the peak lr)?\))", line)
+            if (norms and peer in line) or "excluded" in line or (
                     p is new and (ROUND.search(line) or "synced global state" in line or "ramps up" in line)):
                 lines.append(f"{p.name}: {line[:240]}")
     return lines

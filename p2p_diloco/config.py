@@ -139,6 +139,7 @@ class ContributionLimits(NamedTuple):
     tokens_per_step: int | None
     steps_per_outer: int
     weighting: str
+    warmup_steps: int = 0  # the inner lr's warm-up: bounds what a member's steps count as at the peak lr
 
 
 class AveragingConfig(_Section):
@@ -321,7 +322,8 @@ class LearnerConfig(_Section):
     @property
     def contribution_limits(self) -> ContributionLimits:
         """What bounds a contribution's weight (averaging, inner and sync settings together)."""
-        return ContributionLimits(self.averaging.max_tokens_per_step, self.inner.steps_per_outer, self.sync.weighting)
+        return ContributionLimits(self.averaging.max_tokens_per_step, self.inner.steps_per_outer, self.sync.weighting,
+                                  self.inner.warmup_steps)
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> LearnerConfig:

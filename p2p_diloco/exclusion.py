@@ -11,21 +11,25 @@ The rule, applied to the members in sorted peer-id order:
 1. **Broken.** Metadata that is not a dict, a ``finite`` flag that is False, a ``norm`` that is
    not finite (NaN/Inf), a ``weight`` or ``norm`` that is not a non-negative finite number:
    excluded ("its outer gradient is not finite").
-2. **Outlier.** With ``norm_outlier_factor`` f > 0: a member whose norm per square root of its inner
-   steps (``norm / √steps``) is above f times the median of the *other* valid members' is excluded.
-   Norms are compared for the steps behind them because an honest learner that missed rounds sends
-   many steps' progress at once, and one that just (re)joined sends few; by the square root because
-   an outer gradient of Adam steps grows like a random walk, not like a straight line: per inner
-   step, a learner restarted from nothing that met a round after 1 step, beside others sending 80,
-   was 8-9x their median and left out (chaos benchmark, 2026-12-05); per √step it is 1.0x
-   (docs/security.md, "Honest outliers"). Leave-one-out, so that an outlier cannot raise its own
-   yardstick, and so that the rule means something in tiny groups: alone, nobody is compared (only
-   rule 1 applies); in a pair, the larger norm is excluded when it is more than f times the smaller
-   one (with the plain median of two, their mean, no norm can ever be f ≥ 2 times the median, so a
-   pair would never exclude anyone); from three members on it is the median of the others (with two
-   others, their mean). A norm equal to f times the median stays in. In a pair the rule bets on the
-   smaller norm: the failures seen in practice (diverging training, exploding updates, NaN) make
-   norms larger, and a stalled learner's small outer gradient does little harm when averaged in.
+2. **Outlier.** With ``norm_outlier_factor`` f > 0: a member whose norm per square root of its inner steps
+   (``norm / √steps``) is above f times the median of the *other* valid members' is excluded. Norms are
+   compared for the steps behind them because an honest learner that missed rounds sends many steps'
+   progress at once, and one that just (re)joined sends few; by the square root because an outer gradient of
+   Adam steps grows like a random walk, not like a straight line: per inner step, a learner restarted from
+   nothing that met a round after 1 step, beside others sending 80, was 8-9x their median and left out
+   (chaos benchmark, 2026-12-05); per √step it is 1.0x (docs/security.md, "Honest outliers"). And each step
+   counts as much as its lr allows: a member gathers ``lr_steps``, the sum of (lr / peak lr)² over its
+   steps, so that under a warm-up or a cosine decay a contribution of many steps at a high lr is not an
+   outlier beside ones of a few steps at a low lr (CI, 2026-12-05: 20 warm-up steps beside 1-2 at the
+   warm-up's start were 22x per √step). ``lr_steps`` is bounded by the steps, and by the warm-up as the
+   group's version allows (:func:`_peak_steps`). Leave-one-out, so that an outlier cannot raise its own
+   yardstick, and so that the rule means something in tiny groups: alone, nobody is compared (only rule 1
+   applies); in a pair, the larger norm is excluded when it is more than f times the smaller one (with the
+   plain median of two, their mean, no norm can ever be f ≥ 2 times the median, so a pair would never
+   exclude anyone); from three members on it is the median of the others (with two others, their mean). A
+   norm equal to f times the median stays in. In a pair the rule bets on the smaller norm: the failures seen
+   in practice (diverging training, exploding updates, NaN) make norms larger, and a stalled learner's small
+   outer gradient does little harm when averaged in.
 3. **Banned.** Each member publishes the peers *it* excluded under rules 1-2 in its recent
    rounds (``bans``, kept by :class:`Bans`). A member is excluded when a strict majority of the
    other members that passed rules 1-2 list it. Only those members vote, so a broken or outlying
@@ -33,8 +37,8 @@ The rule, applied to the members in sorted peer-id order:
 
 A member that gathered no ``weight`` counts with hivemind's default weight 1.0; one that gathered
 no ``norm`` is not compared (our learners always gather both: the averaging layer sees to it).
-``tokens`` and ``steps``, when gathered, must be integers from 0 to 2⁶³−1 (no bool, no float), else the
-member is excluded as malformed (rule 1).
+``tokens`` and ``steps``, when gathered, must be integers from 0 to 2⁶³−1 (no bool, no float), and
+``lr_steps`` a non-negative finite number, else the member is excluded as malformed (rule 1).
 
 Bounded weights: with ``max_steps`` S in the rules, a member's weight is never more than its metadata
 allows. T, the most tokens one inner step may hold, is the rules' ``tokens_per_step``
@@ -105,20 +109,37 @@ class Rules:
     tokens_per_step: int | None = None
     max_steps: int | None = None
     weighting: str = "tokens2_per_step"
+    warmup_steps: int = 0  # the inner lr's warm-up W (``inner.warmup_steps``): bounds a member's ``lr_steps``
 
-    def bounded_by(self, tokens_per_step: int | None, steps_per_outer: int, weighting: str) -> Rules:
-        """These rules, bounding weights for learners of ``tokens_per_step`` and H = ``steps_per_outer``.
+    def bounded_by(self, tokens_per_step: int | None, steps_per_outer: int, weighting: str,
+                   warmup_steps: int = 0) -> Rules:
+        """These rules, bounding weights for learners of ``tokens_per_step`` and H = ``steps_per_outer``, and
+        their ``lr_steps`` by the inner lr's warm-up of ``warmup_steps``.
 
         >>> Rules(4.0).bounded_by(1024, 20, "tokens").max_steps
         40
         """
         return replace(self, tokens_per_step=tokens_per_step, max_steps=MAX_STEPS_FACTOR * steps_per_outer,
-                       weighting=weighting)
+                       weighting=weighting, warmup_steps=warmup_steps)
 
     def gathered(self) -> list[float | int | str | None]:
         """The form a member gathers to its group."""
         return [float(self.norm_outlier_factor), self.max_contribution_norm, self.aggregator,
-                self.tokens_per_step, self.max_steps, self.weighting]
+                self.tokens_per_step, self.max_steps, self.weighting, self.warmup_steps]
+
+    def peak_share(self, version: int) -> float:
+        """The largest (lr / peak lr)² an honest step on ``version`` can have taken: a learner's lr follows the
+        global version (position version · H + steps on it, at most H: lr_schedule.py), so under a warm-up of W
+        steps no step on ``version`` or before it ran above the lr at position (version + 1) · H. 1 without a
+        warm-up or without H (``max_steps``).
+
+        >>> round(Rules(8.0).bounded_by(None, 20, "tokens", warmup_steps=100).peak_share(0), 4)
+        0.0441
+        """
+        if not self.warmup_steps or self.max_steps is None:
+            return 1.0
+        steps_per_outer = self.max_steps // MAX_STEPS_FACTOR
+        return min(1.0, ((version + 1) * steps_per_outer + 1) / self.warmup_steps) ** 2
 
 
 def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
@@ -126,7 +147,7 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
 
     Raises :class:`RulesDisagree` when members gathered different or malformed rules.
 
-    >>> rules = [4.0, None, "median", 1024, 40, "tokens2_per_step"]
+    >>> rules = [4.0, None, "median", 1024, 40, "tokens2_per_step", 0]
     >>> agreed_rules({"a": {"rules": rules}, "b": {"rules": rules}}, Rules()).max_steps
     40
     """
@@ -136,16 +157,17 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
     (only,) = seen
     if only is None:
         return default
-    if not isinstance(only, tuple) or len(only) != 6 or only[2] not in AGGREGATORS or only[5] not in WEIGHTINGS:
+    if not isinstance(only, tuple) or len(only) != 7 or only[2] not in AGGREGATORS or only[5] not in WEIGHTINGS:
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
     factor, cap = _number(only[0]), None if only[1] is None else _number(only[1])
-    tokens_per_step, max_steps = only[3], only[4]
+    tokens_per_step, max_steps, warmup_steps = only[3], only[4], only[6]
     if (factor is None or (only[1] is not None and (cap is None or cap <= 0))
             or (tokens_per_step is not None and max_steps is None)
             or (max_steps is not None and not count(max_steps))
-            or (tokens_per_step is not None and not count(tokens_per_step))):
+            or (tokens_per_step is not None and not count(tokens_per_step))
+            or count(warmup_steps) is None):
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
-    return Rules(factor, cap, str(only[2]), tokens_per_step, max_steps, str(only[5]))
+    return Rules(factor, cap, str(only[2]), tokens_per_step, max_steps, str(only[5]), warmup_steps)
 
 
 @dataclass(frozen=True)
@@ -199,7 +221,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
     excluded: dict[str, Exclusion] = {}
     weights: dict[str, float] = {}
     norms: dict[str, float] = {}
-    steps: dict[str, int] = {}
+    steps: dict[str, float] = {}  # inner steps at the peak lr (:func:`_peak_steps`)
     bounded: dict[str, str] = {}
     source = "averaging.max_tokens_per_step" if rules.tokens_per_step is not None else "the group's lower median"
     rules = _with_step_tokens(gathered, rules)
@@ -216,13 +238,14 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
             bounded[peer] = bounded_why
         if meta.get("norm") is not None:
             norms[peer] = _number(meta["norm"]) or 0.0
-            steps[peer] = _steps(meta) if rules.max_steps is None else min(_steps(meta), rules.max_steps)
+            steps[peer] = _peak_steps(meta, rules)
     if rules.norm_outlier_factor > 0:
-        # Per √step: honest learners send the progress of few or many steps, which grows like a random walk.
-        rates = {p: n / math.sqrt(steps[p]) for p, n in norms.items()}
+        # Per √step at the peak lr: honest learners send the progress of few or many steps, which grows like a
+        # random walk of steps each as long as its lr.
+        rates = {p: _rate(n, steps[p]) for p, n in norms.items()}
         if logger.isEnabledFor(logging.DEBUG):  # judged every round: no string built when nobody reads it
-            logger.debug("norms per √(inner steps): " + ", ".join(f"{p[-6:]} {rates[p]:.3g} ({steps[p]} steps)"
-                                                                   for p in sorted(rates)))
+            logger.debug("norms per √(inner steps at the peak lr): " + ", ".join(
+                f"{p[-6:]} {rates[p]:.3g} ({steps[p]:.3g} steps)" for p in sorted(rates)))
         for peer, rate in rates.items():
             others = [r for q, r in rates.items() if q != peer]
             if others and rate > rules.norm_outlier_factor * (median := statistics.median(others)):
@@ -308,6 +331,8 @@ def _broken(meta: Any) -> str:
     for key in ("tokens", "steps"):
         if key in meta and count(meta[key]) is None:
             return f"its {key} {meta[key]!r} are invalid"
+    if "lr_steps" in meta and _number(meta["lr_steps"]) is None:
+        return f"its lr_steps {meta['lr_steps']!r} are invalid"
     return ""
 
 
@@ -352,11 +377,33 @@ def _steps(meta: Mapping[str, Any]) -> int:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else 1
 
 
+def _peak_steps(meta: Mapping[str, Any], rules: Rules) -> float:
+    """What the steps behind a valid member's contribution count as in the outlier rule: its ``lr_steps``, the sum
+    of (lr / peak lr)² over them, bounded by its steps s (at most S = ``max_steps``) times the largest share
+    :meth:`Rules.peak_share` allows at its version; s · that share when it gathered no ``lr_steps``.
+
+    A step moves the weights by about its lr, so under a warm-up or a decay the norms of honest contributions
+    differ with the lr their steps ran at, not only with how many there were. Claiming more than the bound gains
+    nothing; claiming less only makes the member's own norm look larger."""
+    counted = _steps(meta) if rules.max_steps is None else min(_steps(meta), rules.max_steps)
+    version = count(meta.get("version"))
+    bound = counted * rules.peak_share(version if version is not None else 0)
+    claimed = meta.get("lr_steps")
+    return bound if claimed is None else min(float(claimed), bound)
+
+
+def _rate(norm: float, peak_steps: float) -> float:
+    """A norm per √(inner steps at the peak lr); a norm over no step at all is infinitely large (0 for a zero norm)."""
+    if peak_steps > 0:
+        return norm / math.sqrt(peak_steps)
+    return math.inf if norm > 0 else 0.0
+
+
 def _outlier(rate: float, median: float, factor: float) -> str:
     if median == 0:
-        return f"norm per √(inner steps) {rate:.2g} while the others' median is 0"
-    return (f"norm per √(inner steps) {rate:.2g} is {rate / median:.0f}x the median {median:.2g} of the others' "
-            f"(limit {factor:g}x)")
+        return f"norm per √(inner steps at the peak lr) {rate:.2g} while the others' median is 0"
+    return (f"norm per √(inner steps at the peak lr) {rate:.2g} is {rate / median:.0f}x the median {median:.2g} of "
+            f"the others' (limit {factor:g}x)")
 
 
 def _bans(meta: Any) -> set[str]:

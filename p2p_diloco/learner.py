@@ -203,12 +203,8 @@ class Learner:
             time.sleep(self.cfg.inner.extra_step_seconds)
         elapsed = time.perf_counter() - started
         c.compute_seconds += elapsed
-        c.inner_steps += 1
-        tokens = x.numel() * trainer.workers  # each worker of a unit took this step on its own batch
-        c.tokens += tokens
-        for f in range(len(state.fragments)):
-            c.tokens_since_merge[f] += tokens
-            c.steps_since_merge[f] += 1
+        # Each worker of a unit took this step on its own batch.
+        c.count_step(x.numel() * trainer.workers, trainer.lr_share())
         return loss, elapsed
 
     def _end_of_outer_step(self, losses: list[float]) -> None:

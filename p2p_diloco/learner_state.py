@@ -42,6 +42,8 @@ class Counters:
     # per fragment, since that fragment's last committed round:
     tokens_since_merge: list[int] = field(default_factory=list)
     steps_since_merge: list[int] = field(default_factory=list)
+    # the same steps, each counted as (its lr / the peak lr)²: what they weigh in the outlier rule (exclusion.py)
+    lr_steps_since_merge: list[float] = field(default_factory=list)
     missed_versions: list[int] = field(default_factory=list)
 
     _received_lock: ClassVar[threading.Lock] = threading.Lock()  # rounds and downloads count from their threads
@@ -55,13 +57,33 @@ class Counters:
         """Reset the per-fragment counters to zeros for ``fragments`` fragments."""
         self.tokens_since_merge = [0] * fragments
         self.steps_since_merge = [0] * fragments
+        self.lr_steps_since_merge = [0.0] * fragments
         self.missed_versions = [0] * fragments
 
-    def merged(self, fragment: int, tokens: int, steps: int, fragments: int) -> None:
-        """``steps`` inner steps (``tokens`` tokens) of ours on ``fragment`` entered the global state."""
+    def count_step(self, tokens: int, lr_share: float) -> None:
+        """One inner step of ``tokens`` tokens at (lr / peak lr)² = ``lr_share``, on every fragment."""
+        self.inner_steps += 1
+        self.tokens += tokens
+        for f in range(len(self.steps_since_merge)):
+            self.tokens_since_merge[f] += tokens
+            self.steps_since_merge[f] += 1
+            self.lr_steps_since_merge[f] += lr_share
+
+    def merged(self, fragment: int, tokens: int, steps: int, fragments: int, lr_steps: float | None = None) -> None:
+        """``steps`` inner steps (``tokens`` tokens, ``lr_steps`` at the peak lr) of ours on ``fragment`` entered
+        the global state. Without ``lr_steps``, they take their share of the fragment's by their number."""
+        before = self.steps_since_merge[fragment]
+        if lr_steps is None:
+            lr_steps = self.lr_steps_since_merge[fragment] * min(1.0, steps / before) if before else 0.0
         self.tokens_since_merge[fragment] = max(0, self.tokens_since_merge[fragment] - tokens)
-        self.steps_since_merge[fragment] = max(0, self.steps_since_merge[fragment] - steps)
+        self.steps_since_merge[fragment] = max(0, before - steps)
+        self.lr_steps_since_merge[fragment] = max(0.0, self.lr_steps_since_merge[fragment] - lr_steps)
         self.steps_merged += steps / fragments
+
+    def fill_lr_steps(self) -> None:
+        """A checkpoint from before ``lr_steps_since_merge``: its unmerged steps count as steps at the peak lr."""
+        if len(self.lr_steps_since_merge) != len(self.steps_since_merge):
+            self.lr_steps_since_merge = [float(s) for s in self.steps_since_merge]
 
 
 @dataclass

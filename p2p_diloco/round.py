@@ -80,6 +80,7 @@ class OuterRound:
     local_params: list[torch.Tensor]
     tokens: int
     inner_steps: int
+    lr_steps: float | None = None  # the inner steps, each as (its lr / the peak lr)² (None: not gathered)
     max_delta_norm: float = 1e4
     weight: float | None = None  # default: tokens
     fragment: int = 0
@@ -111,10 +112,11 @@ class OuterRound:
 
     def metadata(self) -> dict[str, Any]:
         """What this learner gathers to its group: version and hash of the state it holds, tokens, inner steps,
-        weight, Δ's global L2 norm (fp64) and whether Δ is finite, and whether it sends Δ/‖Δ‖ (RDA).
-        Groupmates must agree on version and hash; the norms decide who is left out (:mod:`p2p_diloco.exclusion`).
+        weight, Δ's global L2 norm (fp64) and whether Δ is finite, whether it sends Δ/‖Δ‖ (RDA), and the inner
+        steps at the peak lr (``lr_steps``, when known). Groupmates must agree on version and hash; the norms per
+        step decide who is left out (:mod:`p2p_diloco.exclusion`).
         """
-        return {
+        meta = {
             "version": self.state.version,
             "sha256": self.state.sha256(),
             "tokens": int(self.tokens),
@@ -124,6 +126,9 @@ class OuterRound:
             "finite": math.isfinite(self._norm),
             "unit": bool(self.rda),
         }
+        if self.lr_steps is not None:
+            meta["lr_steps"] = float(self.lr_steps)
+        return meta
 
     def run(self) -> RoundOutcome:
         """Run the round to an outcome. Never raises: an unexpected error is latched into a failed

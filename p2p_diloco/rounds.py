@@ -48,6 +48,7 @@ class InFlight:
     state: GlobalState  # the round's own copy of the fragment's state; it becomes ours if committed
     thread: threading.Thread | None = None
     outcome: RoundOutcome | None = None
+    lr_steps: float | None = None  # the steps counted at the peak lr (exclusion.py): ``steps`` when None
 
     def unconfirmed(self, version: int) -> Unconfirmed:
         """What this round sent, started from ``version``, until we know whether it was committed."""
@@ -134,12 +135,14 @@ class Rounds:
             fragment=frag, apply_at=c.inner_steps + tau,
             snapshot=self.state.snapshot(frag), tokens=c.tokens_since_merge[f],
             steps=c.steps_since_merge[f], window=window, state=self.state.states[f].copy(),
+            lr_steps=c.lr_steps_since_merge[f],
         )
         # The round works on a copy: the training thread reads and checkpoints the states while it
         # runs, and must never see a fragment half-way through the outer step.
         rnd = OuterRound(
             state=task.state, optimizer=self.outer_opt, averaging=self.averaging, local_params=task.snapshot,
-            tokens=task.tokens, inner_steps=task.steps, max_delta_norm=cfg.averaging.max_delta_norm,
+            tokens=task.tokens, inner_steps=task.steps, lr_steps=task.lr_steps,
+            max_delta_norm=cfg.averaging.max_delta_norm,
             weight=token_weight(task.tokens, task.steps, c.missed_versions[f], cfg.sync.weighting),
             fragment=f, rda=cfg.sync.rda and not frag.has_embedding, grace=window, certifier=self.certifier,
             verify_reducers=cfg.averaging.verify_reducers, steps_per_outer=cfg.inner.steps_per_outer,
@@ -216,7 +219,7 @@ class Rounds:
         self.state.changed.add(f)
         c.outer_steps += 1
         # Tokens taken during the overlap were not part of this round; they count for the next one.
-        c.merged(f, task.tokens, task.steps, len(self.state.fragments))
+        c.merged(f, task.tokens, task.steps, len(self.state.fragments), task.lr_steps)
         c.missed_versions[f] = 0
         self.out_of_phase = False
         self.waits = 0

@@ -214,6 +214,7 @@ def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, whe
     trainer.model.load_state_dict(payload["model"])
     trainer.inner_opt.load_state_dict(payload["inner_opt"])
     state.counters = Counters(**payload["counters"])
+    state.counters.fill_lr_steps()
     state.changed.update(range(len(state.fragments)))  # θ and the inner optimizer: a unit sends both at start
     if "lr_position" in payload:  # checkpoints before it restart at version · H
         try:

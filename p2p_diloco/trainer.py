@@ -246,6 +246,11 @@ class Trainer:
         self.meter.add(x.numel() * self.workers)
         return loss.item()
 
+    def lr_share(self) -> float:
+        """(lr of the last step / the peak lr ``inner.lr``)²: what that step counts as in the outlier rule
+        (exclusion.py), warm-up, decay and re-warm-up included; 1.0 with a peak lr of 0."""
+        return (self.inner_opt.lr / self.inner.lr) ** 2 if self.inner.lr > 0 else 1.0
+
     def _rewarmed(self, lr: float) -> float:
         """``lr`` times the re-warm-up factor: (k + 1) / W for the first W = ``inner.rejoin_warmup_steps`` steps of
         an AdamW that took its first step fresh at a schedule position past 0, else 1.

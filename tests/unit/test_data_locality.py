@@ -50,6 +50,8 @@ def test_a_round_gathers_numbers_about_its_outer_gradient():
     rnd = OuterRound(state=state, optimizer=None, averaging=FakeAveraging(), local_params=[torch.ones(3)],
                      tokens=10, inner_steps=2)
     assert set(rnd.metadata()) == {"version", "sha256", "tokens", "steps", "weight", "norm", "finite", "unit"}
+    rnd.lr_steps = 0.5  # the learner's rounds also say what their steps count as at the peak lr (exclusion.py)
+    assert rnd.metadata()["lr_steps"] == 0.5 and rnd.metadata()["steps"] == 2
 
 
 def test_a_progress_record_holds_progress_and_resources():

@@ -124,6 +124,7 @@ def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, c
     with torch.no_grad():
         p.fill_(1.5)
     state.counters.tokens_since_merge[frag.index], state.counters.steps_since_merge[frag.index] = 960, 15
+    state.counters.lr_steps_since_merge[frag.index] = 6.0
     new = _state(10.0, 5, ["me", "other"] if included else ["other"])
     with caplog.at_level(logging.INFO, logger="p2p_diloco.catch_up"):
         catch_up._rebase_onto(frag, ours, new)
@@ -132,9 +133,11 @@ def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, c
         assert torch.allclose(p.detach(), torch.full((3,), 10.5))
         assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (320, 5, 1)
         assert c.steps_merged == 10 / 2 and "not contributing it again" in caplog.text
+        assert c.lr_steps_since_merge[0] == pytest.approx(2.0)  # an unconfirmed round's share: 5 of 15 steps
     else:  # the round did not use it: all 15 steps are kept
         assert torch.allclose(p.detach(), torch.full((3,), 11.5))
         assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (960, 15, 0)
+        assert c.lr_steps_since_merge[0] == 6.0
     assert frag.index not in state.unconfirmed
 
 

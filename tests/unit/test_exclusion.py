@@ -44,7 +44,7 @@ def test_an_outlier_above_factor_times_the_median_of_the_others_is_excluded():
     verdict = judge(_group(1.0, 1.2, 0.9, 1.1, 100.0), Rules(8.0))
     assert set(verdict.excluded) == {"e"}
     why = verdict.excluded["e"].why
-    assert why.startswith("norm per √(inner steps) 1e+02 is 95x the median 1.1 of the others'"), why
+    assert why.startswith("norm per √(inner steps at the peak lr) 1e+02 is 95x the median 1.1 of the others'"), why
     assert verdict.contributors(_group(*range(5))) == ["a", "b", "c", "d"]
     assert _out(_group(1.0, 1.2, 0.9, 1.1, 7.0)) == set()  # 7 ≤ 8 × 1.05
     assert _out(_group(1.0, 1.2, 0.9, 1.1, 100.0), Rules(0.0)) == set()  # 0 disables the outlier rule
@@ -64,6 +64,55 @@ def test_norms_are_compared_per_square_root_of_the_inner_steps():
               [("a", 8.8, 80), ("b", 8.6, 80), ("c", 9.1, 80), ("new", 0.92, 1)]}
     assert _out(joined) == set()
     assert _out({**joined, "new": {**joined["new"], "norm": 0.92 * 9}}) == {"new"}  # 8.4x per √step
+
+
+def test_steps_count_as_much_as_their_learning_rate_allows():
+    """Under a warm-up or a decay, steps count as (lr / peak lr)² each (``lr_steps``): many steps at a high lr are
+    no outlier beside a few at a low lr. The CI run of 2026-12-05 (warm-up over W = 20 steps, H = 20): a learner
+    with 20 warm-up steps (norm 3.5) beside two that met the round after 1 and 2 steps (0.035, 0.05) was 22x their
+    median per √step, left out, then banned."""
+    warm = Rules(8.0).bounded_by(None, 20, "tokens2_per_step", warmup_steps=20)
+    ramp = [((k + 1) / 20) ** 2 for k in range(20)]  # lr at positions 0..19 of the warm-up, over its peak, squared
+    group = {"a": {"norm": 3.5, "steps": 20, "lr_steps": sum(ramp)},
+             "b": {"norm": 0.035, "steps": 1, "lr_steps": ramp[0]},
+             "c": {"norm": 0.05, "steps": 2, "lr_steps": ramp[0] + ramp[1]}}
+    for meta in group.values():
+        meta.update(finite=True, version=0)
+    assert _out(group, warm) == set()
+    assert _out({p: {k: v for k, v in m.items() if k != "lr_steps"} for p, m in group.items()}, warm) == {"a"}
+    # Later in a cosine decay: 122 unmerged steps, most at a high lr, beside groupmates' 20 at a quarter of it
+    # (like the same run at version 6: 14x per √step).
+    decayed = {"a": {"norm": 1.8 * 40 ** 0.5, "steps": 122, "lr_steps": 67.0},
+               "b": {"norm": 0.13 * 20 ** 0.5, "steps": 20, "lr_steps": 20 * 0.25 ** 2},
+               "c": {"norm": 0.13 * 20 ** 0.5, "steps": 20, "lr_steps": 20 * 0.25 ** 2}}
+    for meta in decayed.values():
+        meta.update(finite=True, version=6)
+    assert _out(decayed, warm) == set()
+    assert _out({p: {k: v for k, v in m.items() if k != "lr_steps"} for p, m in decayed.items()}, warm) == {"a"}
+
+
+def test_claimed_lr_steps_are_bounded_by_the_steps_and_the_warm_up():
+    """A liar gains nothing by claiming its steps ran at a higher lr than the run allows: lr_steps count at most as
+    its steps (at most S = 2H), and during a warm-up at most as the lr of position (version + 1) · H allows."""
+    warm = Rules(8.0).bounded_by(None, 20, "tokens2_per_step", warmup_steps=200)
+    honest = {p: {"norm": 0.1, "finite": True, "version": 0, "steps": 20, "lr_steps": 20 * 0.05 ** 2} for p in "abc"}
+    # Position 21 of a 200-step warm-up: lr at most 0.105 of the peak, so 20 steps count as 20 · 0.105² at most.
+    assert warm.peak_share(0) == pytest.approx(0.105 ** 2)
+    liar = {"norm": 0.1 * 8 * 0.105 / 0.05 * 1.01, "finite": True, "version": 0, "steps": 20, "lr_steps": 20.0}
+    assert _out({**honest, "d": liar}, warm) == {"d"}
+    assert _out({**honest, "d": {**liar, "norm": liar["norm"] / 1.02}}, warm) == set()
+    assert _out({**honest, "d": {**liar, "lr_steps": 1e300}}, warm) == {"d"}
+    # More lr_steps than steps count as the steps, without a warm-up too.
+    plain = {p: {"norm": 1.0, "finite": True, "steps": 20, "lr_steps": 20.0} for p in "abc"}
+    assert _out({**plain, "d": {"norm": 8.1, "finite": True, "steps": 20, "lr_steps": 1e300}}) == {"d"}
+    # A version the warm-up has passed: the full lr.
+    assert warm.peak_share(9) == 1.0 and Rules(8.0).peak_share(0) == 1.0
+    # Zero lr_steps: a zero norm is no outlier, any other is.
+    zero = {"norm": 0.0, "finite": True, "steps": 3, "lr_steps": 0.0}
+    assert _out({**plain, "d": zero}) == set() and _out({**plain, "d": {**zero, "norm": 1e-9}}) == {"d"}
+    for bad in (-1.0, NAN, INF, "1", True, None):
+        assert judge({**plain, "d": {**plain["a"], "lr_steps": bad}}, Rules(8.0)).excluded["d"].why == \
+            f"its lr_steps {bad!r} are invalid"
 
 
 def test_non_finite_outer_gradients_are_excluded_and_do_not_count_in_the_median():
@@ -181,8 +230,9 @@ def test_clipping_scales_contributions_above_the_cap():
     assert verdict.part_scale("b") == 1.5 / 4.0 and verdict.part_scale("c") == 1.0
 
 
-def _rules(factor=4.0, cap=None, aggregator="mean", per_step=1024, max_steps=40, weighting="tokens2_per_step"):
-    return [factor, cap, aggregator, per_step, max_steps, weighting]
+def _rules(factor=4.0, cap=None, aggregator="mean", per_step=1024, max_steps=40, weighting="tokens2_per_step",
+           warmup=0):
+    return [factor, cap, aggregator, per_step, max_steps, weighting, warmup]
 
 
 def test_members_must_agree_on_the_rules():
@@ -204,23 +254,24 @@ def test_members_must_agree_on_the_rules():
 def test_members_must_agree_on_what_bounds_a_contribution():
     """A member with another batch (tokens per step), H (steps) or weighting rule fails the group's round."""
     for theirs in (_rules(per_step=2048), _rules(max_steps=80), _rules(weighting="tokens"),
-                   _rules(per_step=None, max_steps=None)):
+                   _rules(per_step=None, max_steps=None), _rules(warmup=100)):
         with pytest.raises(RulesDisagree, match="different robust-merging rules"):
             agreed_rules({"a": {"rules": _rules()}, "b": {"rules": theirs}}, Rules())
     for bad in (_rules(per_step=0), _rules(per_step=-1), _rules(per_step=1024.0), _rules(per_step=True),
                 _rules(max_steps=None), _rules(max_steps=2**64 - 1),
-                _rules(weighting="tokens3")):
+                _rules(weighting="tokens3"), _rules(warmup=-1), _rules(warmup=None), _rules(warmup=1.5),
+                _rules()[:6]):
         with pytest.raises(RulesDisagree, match="malformed"):
             agreed_rules({"a": {"rules": bad}, "b": {"rules": bad}}, Rules())
 
 
 def test_the_averaging_layer_gathers_bounds_from_the_learners_config():
     cfg = load_learner_config(None, ["inner.batch_size=8", "model.seq_len=32", "inner.steps_per_outer=20",
-                                     "sync.weighting=tokens"])
+                                     "sync.weighting=tokens", "inner.warmup_steps=30"])
     averaging = SimpleNamespace(cfg=cfg.averaging, limits=cfg.contribution_limits)
     rules = HivemindAveraging._rules(averaging)  # type: ignore[arg-type]
     # No swarm-wide tokens per step by default: each round takes the lower median of what members gathered.
-    assert (rules.tokens_per_step, rules.max_steps, rules.weighting) == (None, 2 * 20, "tokens")
+    assert (rules.tokens_per_step, rules.max_steps, rules.weighting, rules.warmup_steps) == (None, 2 * 20, "tokens", 30)
     assert agreed_rules({"a": {"rules": rules.gathered()}}, Rules()) == rules
     assert (rules.norm_outlier_factor, rules.aggregator) == (8.0, "mean")
     units = load_learner_config(None, ["averaging.max_tokens_per_step=4096"])  # a swarm with units sets its largest

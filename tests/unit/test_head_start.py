@@ -104,6 +104,7 @@ def test_a_resumed_learner_steps_up_to_its_next_round_or_outer_step_end(schedule
     stop = c.inner_steps + 1  # the step it left to the training loop
     assert c.inner_steps > h + 1 and c.first_eval_loss is not None
     assert c.steps_since_merge == [c.inner_steps - h - 1] * 2 and c.compute_seconds > 0
+    assert c.lr_steps_since_merge == pytest.approx(c.steps_since_merge)  # a constant lr: each step counts as one
     if schedule == "steps":  # the next fragment's round is the training loop's
         assert due_fragments(state.fragments, stop, h) and not any(
             due_fragments(state.fragments, s, h) for s in range(h + 2, stop))

@@ -1,9 +1,12 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.learner_state import Counters
 from p2p_diloco.lr_schedule import SchedulePosition, inner_lr
+from p2p_diloco.trainer import Trainer
 
 
 def _cfg(*overrides):
@@ -64,3 +67,21 @@ def test_a_resumed_position_goes_on_where_it_was():
     assert after.step(4) == 40
     with pytest.raises(ValueError, match="negative"):
         after.load([3, -1])
+
+
+def test_steps_are_counted_at_the_peak_lr_for_the_outlier_rule():
+    """Each step adds (lr / peak lr)² to every fragment's unmerged lr_steps; a committed round takes its own off,
+    a round whose own count is unknown takes its share by its steps; an old checkpoint counts steps as whole."""
+    trainer = SimpleNamespace(inner_opt=SimpleNamespace(lr=5e-4), inner=SimpleNamespace(lr=1e-3))
+    assert Trainer.lr_share(trainer) == 0.25  # type: ignore[arg-type]
+    c = Counters()
+    c.resize(2)
+    for share in (0.25, 0.25, 1.0, 1.0):
+        c.count_step(100, share)
+    assert (c.inner_steps, c.tokens, c.steps_since_merge, c.lr_steps_since_merge) == (4, 400, [4, 4], [2.5, 2.5])
+    c.merged(0, 200, 2, 2, lr_steps=0.5)  # the round took the first two steps
+    c.merged(1, 200, 2, 2)  # not known which: half of them
+    assert (c.steps_since_merge, c.lr_steps_since_merge) == ([2, 2], [2.0, 1.25])
+    old = Counters(steps_since_merge=[7, 3], tokens_since_merge=[1, 1], missed_versions=[0, 0])
+    old.fill_lr_steps()
+    assert old.lr_steps_since_merge == [7.0, 3.0]

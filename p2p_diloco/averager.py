@@ -37,6 +37,7 @@ from p2p_diloco.allreduce import ExactAllReduceRunner
 from p2p_diloco.averaging import StateProvider
 from p2p_diloco.exclusion import Rules, Verdict, agreed_rules, judge
 from p2p_diloco.faults import FaultPlan
+from p2p_diloco.leader_wait import PatientMatchmaking
 from p2p_diloco.lifecycle import die_with_parent, read_whole_messages, serialize_requests
 from p2p_diloco.message_caps import cap_stream_messages
 from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, download_key
@@ -118,8 +119,8 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         super().run()
 
     async def _step(self, **kwargs):
-        mm = self._matchmaking  # hivemind builds it in the averager process; every round passes here first
-        if not isinstance(mm.group_key_manager, SignedGroupKeyManager):
+        mm = PatientMatchmaking.adopt(self._matchmaking)  # hivemind builds it in the averager process; every
+        if not isinstance(mm.group_key_manager, SignedGroupKeyManager):  # round passes here first
             mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner)
         return await super()._step(**kwargs)
 
@@ -198,6 +199,21 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
             # hivemind's key manager draws each member's next group bits from `target` buckets: it must
             # hold the largest group (our group bits are set again before every round anyway).
             self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
+    def set_go_timeout(self, seconds: float, wait: bool = True):
+        """From the next search on, wait up to ``seconds`` past the group's deadline for a leader's go
+        (:mod:`p2p_diloco.leader_wait`; never less than ``request_timeout``)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_go_timeout", [], dict(seconds=float(seconds), future=future)))
+        return future.result() if wait else future
+
+    async def _set_go_timeout(self, seconds: float, future: MPFuture) -> None:
+        try:
+            PatientMatchmaking.adopt(self._matchmaking).go_timeout = seconds
             future.set_result(None)
         except Exception as e:
             if not future.done():

@@ -15,8 +15,10 @@ import asyncio
 import logging
 import math
 import signal
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,8 @@ logger = get_logger(__name__)
 # What a step's or a download's future may raise. A step cancelled inside hivemind's averager process
 # comes back as asyncio.CancelledError, a BaseException: it must end the round, not the learner.
 _STEP_FAILURES = (Exception, asyncio.CancelledError)
+GO_SHARE = 0.25  # a member waits for a leader's go at least this share of its recent all-reduces
+ALLREDUCES_KEPT = 5  # ... the upper median of this many latest ones
 
 
 def search_timeout(round_timeout: float, matchmaking_time: float, grace: float | None,
@@ -59,6 +63,21 @@ def search_timeout(round_timeout: float, matchmaking_time: float, grace: float |
     if search_seconds is not None:
         timeout = min(timeout, max(search_seconds, max(grace or 0.0, matchmaking_time) + 1.0))
     return timeout
+
+
+def go_timeout(configured: float, allreduces: Sequence[float], round_timeout: float) -> float:
+    """How long past a group's deadline a member waits for its leader's go (:mod:`p2p_diloco.leader_wait`): the
+    configured ``request_timeout``, or :data:`GO_SHARE` of the upper median of this learner's recent all-reduces
+    if longer, at most half the round timeout. On fast links the all-reduce is short and the configured wait stays.
+
+    >>> go_timeout(1.0, [], 30.0), go_timeout(1.0, [0.5, 2.0], 30.0), go_timeout(1.0, [20, 24, 30], 30.0)
+    (1.0, 1.0, 6.0)
+    >>> go_timeout(1.0, [200.0], 30.0)
+    15.0
+    """
+    if not allreduces:
+        return configured
+    return min(max(configured, GO_SHARE * statistics.median_high(allreduces)), round_timeout / 2)
 
 
 @dataclass
@@ -101,6 +120,8 @@ class HivemindAveraging:
     _bans: Bans = field(init=False)
     _last_verdict: Verdict | None = field(init=False, default=None)
     _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
+    _allreduces: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=ALLREDUCES_KEPT))
+    _go_timeout: float = field(init=False, default=0.0)  # the averager process's wait for a leader's go
 
     def __post_init__(self) -> None:
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
@@ -111,6 +132,7 @@ class HivemindAveraging:
             averager_logger.addFilter(_FailedStepToDebug())
         self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
         self._bans = Bans(self.cfg.ban_rounds)
+        self._go_timeout = self.cfg.request_timeout
         if self.fragments is None:
             self.fragments = [tuple(range(len(self._buffers)))]
         names = list(self.codecs) if self.codecs else [self.cfg.compression] * len(self.fragments)
@@ -200,6 +222,15 @@ class HivemindAveraging:
             self._averager.set_min_group_size(quorum)
             self._quorum = quorum
 
+    def _set_go_timeout(self) -> None:
+        """Wait for a leader's go as long as our recent all-reduces say it may queue (:func:`go_timeout`)."""
+        wait = round(go_timeout(self.cfg.request_timeout, self._allreduces, self.cfg.round_timeout), 1)
+        if wait != self._go_timeout:
+            self._averager.set_go_timeout(wait)
+            logger.info(f"waiting up to {wait:.1f} s past a group's deadline for its leader's go (all-reduces took "
+                        f"{statistics.median_high(self._allreduces) if self._allreduces else 0:.1f} s)")
+            self._go_timeout = wait
+
     def _rules(self) -> Rules:
         rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
         return rules if self.limits is None else rules.bounded_by(*self.limits)
@@ -230,6 +261,7 @@ class HivemindAveraging:
         timeout = search_timeout(self.cfg.round_timeout, self.cfg.matchmaking_time, grace, search_seconds)
         self._averager.set_group_bits(group_bits(fragment, version))
         self._set_quorum()
+        self._set_go_timeout()
         began = time.time()  # wall clock: the averager process stamps the group's forming with it
         control = self._averager.step(
             weight=float(weight), gather=self._gathered(deltas, weight, metadata, fragment), timeout=timeout,
@@ -246,7 +278,7 @@ class HivemindAveraging:
             # be matchmaking; the next round's step would then share the matchmaker with it (seen in
             # a 2 Mbit/s benchmark run: a group of fragment 0 with a member gathering fragment 1).
             # Let it end first.
-            _wait_until_finished(control, self.cfg.request_timeout + self.cfg.matchmaking_time)
+            _wait_until_finished(control, self._go_timeout + self.cfg.matchmaking_time)
             if control.cancelled() and self._superseded_by is not None:
                 raise RoundSuperseded(f"the swarm moved on to version {self._superseded_by}") from None
             if isinstance(e, ExcludedFromRound):
@@ -266,6 +298,8 @@ class HivemindAveraging:
         self.on_received(int(stats.get("bytes_received", 0)))
         if "group_formed" in stats:
             self.on_matchmaking(max(0.0, float(stats["group_formed"]) - began))
+        if math.isfinite(seconds := float(stats.get("seconds", 0.0))) and seconds > 0:
+            self._allreduces.append(seconds)
         return AverageResult(
             deltas=averaged,
             groupmates=groupmates,

@@ -15,7 +15,9 @@ With ``sync.pace = "auto"`` each learner measures, and the swarm agrees on T thr
 
 t_step_i is an exponential moving average of learner i's own inner steps; t_round_i the upper median of its last
 :data:`ROUNDS_KEPT` rounds that formed a group (matchmaking, all-reduce and certificate), so that one slow round
-does not move the period up a rung that the hysteresis then keeps. The floor is what the configuration needs
+does not move the period up a rung that the hysteresis then keeps; a slot skipped because a round was still in
+flight counts that round at once, as long as it had run (:meth:`Pace.observe_overrun`). A learner with a fall
+pending takes the smallest fall another learner announced from the same period (reads on both sides of a rung). The floor is what the configuration needs
 (a slot per fragment longer than twice the matchmaking time). Every learner reads nearly the same records
 and computes the same T from them, and a change takes effect at a time that depends only on the two
 periods, so slots stay aligned; a learner whose read differs is misaligned until its next read.
@@ -71,6 +73,11 @@ def switch_time(old: float, new: float, now: float, lead: float) -> float:
     return math.ceil((now + lead) / step) * step
 
 
+def _on_boundary(at: float, step: float) -> bool:
+    """Whether DHT time ``at`` is a multiple of ``step`` (where a change of period with that larger period applies)."""
+    return abs(at / step - round(at / step)) < 1e-6
+
+
 @dataclass
 class Pace:
     """One learner's measurements, its proposal and the period and τ it uses; thread-safe (the heartbeat
@@ -106,6 +113,21 @@ class Pace:
         until the proposals came below 40 s).
         The upper median moves only when most of the latest rounds do, and errs long while there are few."""
         if group_size >= 2 and math.isfinite(seconds) and seconds >= 0:
+            with self._lock:
+                self._rounds.append(seconds)
+                self.t_round = statistics.median_high(self._rounds)
+
+    def observe_overrun(self, seconds: float) -> None:
+        """A round still running ``seconds`` after it started made this learner skip a slot: a round at least that
+        long, counted now as one of the latest rounds (and again, in full, when it ends).
+
+        The period follows a slower link only through rounds that were slow; counted when they end, and only
+        those that formed a group, three of a learner's latest five had to end slow before its proposal moved.
+        After a drop from 10 to 2 Mbit/s at 150 s the period stayed at 20 s until the run reached its target at
+        276 s, with 18 slots skipped and 6 of 60 rounds without a group (WAN benchmark, 2026-12-05). A skipped
+        slot says at once that rounds outlast their slots; a round longer than its slot is not one a fast link
+        has, so this does not lift the period on a fast link."""
+        if math.isfinite(seconds) and seconds > 0:
             with self._lock:
                 self._rounds.append(seconds)
                 self.t_round = statistics.median_high(self._rounds)
@@ -164,10 +186,21 @@ class Pace:
             # with another switch time; WAN benchmark at 20 Mbit/s, 2026-12-03.)
             if self.pending is None:
                 return None
+            announced = list(announced)
+            if self.pending[0] < self.period:
+                # A fall: to the smallest fall another learner announced, at a boundary it could have (its
+                # fall from the same period). Learners whose reads put the median on both sides of a rung
+                # decided falls to two periods, and their slots parted (60 → 20 and 28.3 at 50 Mbit/s, WAN
+                # benchmark, 2026-12-05); a liar can only make a fall smaller, never cause one.
+                smaller = [(p, a) for p, a in announced if self.pending[0] < p < self.period
+                           and now + MIN_NOTICE <= a and _on_boundary(a, self.period)]
+                if smaller:
+                    period = max(p for p, _ in smaller)
+                    self.pending = (period, min(a for p, a in smaller if p == period))
+                    decided = True
             period, at = self.pending
             step = max(self.period, period)
-            earlier = [a for p, a in announced if p == period and now + MIN_NOTICE <= a < at
-                       and abs(a / step - round(a / step)) < 1e-6]
+            earlier = [a for p, a in announced if p == period and now + MIN_NOTICE <= a < at and _on_boundary(a, step)]
             if earlier:
                 self.pending = (period, min(earlier))
                 return self.pending

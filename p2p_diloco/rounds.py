@@ -49,6 +49,7 @@ class InFlight:
     thread: threading.Thread | None = None
     outcome: RoundOutcome | None = None
     lr_steps: float | None = None  # the steps counted at the peak lr (exclusion.py): ``steps`` when None
+    started: float = field(default_factory=time.perf_counter)
 
     def unconfirmed(self, version: int) -> Unconfirmed:
         """What this round sent, started from ``version``, until we know whether it was committed."""
@@ -348,6 +349,7 @@ class Rounds:
                     # The fragment's progress waits for its next slot.
                     logger.info(f"skipped fragment {f}'s slot: fragment {self.inflight.fragment.index}'s "
                                 "round is still in flight")
+                    self._overran(self.inflight)
                     continue
             del self.pending[f]
             late = f in self.late
@@ -363,6 +365,7 @@ class Rounds:
             # only queue behind it. This fragment's progress waits for its next slot.
             logger.info(f"skipped fragment {f}'s slot: fragment {self.detached.fragment.index}'s late round is "
                         "still running")
+            self._overran(self.detached)
             return
         background = self.overlap() > 0
         merges = self.state.counters.merges
@@ -385,6 +388,11 @@ class Rounds:
             self.catch_up.start()
             if not self._wait_for_the_swarm(f) and not self.at_target(f):
                 self.start(frag)
+
+    def _overran(self, task: InFlight) -> None:
+        """A slot was skipped for ``task``, still running: the pace counts it as a round at least that long."""
+        if self.pace is not None:
+            self.pace.observe_overrun(time.perf_counter() - task.started)
 
     def _alone_at(self, f: int) -> bool:
         """Clock schedule, a slot opened late (the round before it ended within the slot's patience): whether

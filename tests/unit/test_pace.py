@@ -75,6 +75,44 @@ def test_a_learner_that_decided_a_change_late_takes_the_earliest_boundary_announ
     assert undecided.update([20.0], now=1034.0, announced=[(40.0, 1040.0)]) is None and undecided.pending is None
 
 
+def test_learners_whose_reads_differ_fall_to_the_smallest_fall_announced():
+    """At 50 Mbit/s (2026-12-05) learners at 60 s read medians on both sides of a rung and fell to 20 s and
+    28.3 s: their slots parted. A learner with a fall pending takes a smaller fall another learner announced,
+    at that learner's time when it is a boundary of a fall from the same period."""
+    deep, shallow = _pace(period=60.0), _pace(period=60.0)
+    assert deep.update([19.0], now=1001.0) == (20.0, 1020.0)
+    assert shallow.update([25.0], now=1003.0) == (28.284, 1020.0)
+    assert deep.update([19.0], now=1005.0, announced=[(28.284, 1020.0)]) == (28.284, 1020.0)
+    assert shallow.update([25.0], now=1005.0, announced=[(20.0, 1020.0)]) is None  # a deeper fall: not taken
+    assert shallow.pending == (28.284, 1020.0)
+    # Announcements that do not qualify: a rise, no fall at all, a time that is no boundary of a fall from
+    # 60 s, one too close.
+    for bad in [(80.0, 1080.0), (60.0, 1080.0), (28.284, 1030.0), (28.284, 1005.5)]:
+        other = _pace(period=60.0)
+        other.update([19.0], now=1005.0)
+        assert other.update([19.0], now=1005.0, announced=[bad]) is None and other.pending == (20.0, 1020.0)
+    # A rise is not revised by anyone's word.
+    rising = _pace(period=20.0)
+    assert rising.update([50.0], now=1001.0) == (56.569, switch_time(20.0, 56.569, 1001.0, 8.0))
+    assert rising.update([50.0], now=1002.0, announced=[(28.284, switch_time(20.0, 28.284, 1002.0, 8.0))]) is None
+
+
+def test_a_skipped_slot_counts_the_round_in_flight_as_one_at_least_that_long():
+    """After a drop from 10 to 2 Mbit/s the period stayed at 20 s until the target (2026-12-05): three of the last
+    five rounds had to end slow first. A slot skipped for a round still in flight says so at once."""
+    p = _pace(t_step=0.1)
+    for _ in range(ROUNDS_KEPT):
+        p.observe_round(4.0, group_size=4)
+    p.observe_overrun(13.0)  # a slot skipped 13 s into a round
+    p.observe_round(25.0, group_size=4)  # that round ends
+    assert math.isclose(p.proposal(), SAFETY * 2 * 4.0)  # two of the latest five: not yet
+    p.observe_overrun(14.0)  # the next round overruns its slot too: three of five
+    assert math.isclose(p.proposal(), SAFETY * 2 * 13.0)
+    p.observe_overrun(math.nan)
+    p.observe_overrun(-1.0)
+    assert math.isclose(p.proposal(), SAFETY * 2 * 13.0)
+
+
 def test_proposal_covers_h_steps_and_one_and_a_half_rounds_per_fragment_slot():
     p = _pace()
     assert p.proposal() == 0.0  # nothing measured: no proposal

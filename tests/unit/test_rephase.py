@@ -199,11 +199,15 @@ def test_a_slot_opened_late_joins_a_search_in_progress_or_searches_only_within_i
 
 def test_a_slot_skipped_after_its_patience_leaves_no_late_mark_on_the_next():
     learner, started, running = _on_the_clock({})
+    overruns: list[float] = []
+    learner.pace = SimpleNamespace(observe_overrun=overruns.append, due_change=lambda now: None, overlap=lambda: 2)
+    learner.inflight.started = time.perf_counter() - 12.0
     learner.clock.now = [2]
     learner.sync_due_fragments()
     learner.pending[2] = time.monotonic() - 1  # its patience ran out: skipped
     learner.sync_due_fragments()
     assert started == [] and not learner.pending and not learner.late
+    assert len(overruns) == 1 and 12.0 <= overruns[0] < 20.0  # the pace hears of a round that outlived its slot
     running[0] = False
     learner.clock.now = [2]  # the next slot, on time: no look, a full search
     learner.sync_due_fragments()

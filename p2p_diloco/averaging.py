@@ -87,6 +87,10 @@ class Averaging(Protocol):
         """How many other peers are looking for a group at (``fragment``, ``version``) right now."""
         ...
 
+    def grouped(self) -> bool:
+        """Whether the round in progress has found its group (its all-reduce began); False between rounds."""
+        ...
+
     def download_state(self, timeout: float) -> Served | None:
         """The newest global state any peer serves, or None."""
         ...

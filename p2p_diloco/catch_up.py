@@ -353,7 +353,7 @@ class CatchUp:
         # θ ← Θ_new + (θ − snapshot): what we trained since the round started is kept, what we sent is
         # in Θ_new already. (Overwriting would drop steps that are not.)
         apply_result(local, new.params, pending.snapshot, "mix")
-        self.state.counters.merged(f, pending.tokens, pending.steps, len(self.state.fragments))
+        self.state.counters.merged(f, pending.tokens, pending.steps, len(self.state.fragments), pending.lr_steps)
         self.state.counters.contributions_confirmed += 1
         logger.info(f"fragment {f}: our outer gradient from version {ours.version} ({pending.steps} steps) is in "
                     f"version {ours.version + 1}, committed by the others without us seeing it; not contributing "

@@ -89,6 +89,7 @@ MAX_BANS = 64  # entries of a groupmate's ban list that are read (a list can be 
 # weight is then at most twice an honest in-phase learner's: three honest learners outweigh it.
 MAX_STEPS_FACTOR = 2
 MAX_COUNT = 2**63 - 1  # tokens and steps above it fit no signed 64-bit field: malformed
+MIN_LR_SHARE = 1e-6  # the least a step counts as at the peak lr in the outlier rule: (a thousandth of it)²
 WEIGHTINGS = ("tokens", "tokens2_per_step")
 
 
@@ -389,14 +390,13 @@ def _peak_steps(meta: Mapping[str, Any], rules: Rules) -> float:
     version = count(meta.get("version"))
     bound = counted * rules.peak_share(version if version is not None else 0)
     claimed = meta.get("lr_steps")
-    return bound if claimed is None else min(float(claimed), bound)
+    # At least a millionth of a peak step per step: a claimed 0 would divide by zero.
+    return bound if claimed is None else max(MIN_LR_SHARE * counted, min(float(claimed), bound))
 
 
 def _rate(norm: float, peak_steps: float) -> float:
-    """A norm per √(inner steps at the peak lr); a norm over no step at all is infinitely large (0 for a zero norm)."""
-    if peak_steps > 0:
-        return norm / math.sqrt(peak_steps)
-    return math.inf if norm > 0 else 0.0
+    """A norm per √(inner steps at the peak lr) (``peak_steps`` > 0: :func:`_peak_steps` bounds it from below)."""
+    return norm / math.sqrt(peak_steps)
 
 
 def _outlier(rate: float, median: float, factor: float) -> str:

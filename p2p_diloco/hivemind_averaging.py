@@ -49,19 +49,24 @@ ALLREDUCES_KEPT = 5  # ... the upper median of this many latest ones
 
 
 def search_timeout(round_timeout: float, matchmaking_time: float, grace: float | None,
-                   search_seconds: float | None) -> float:
+                   search_seconds: float | None, longer_go: float = 0.0) -> float:
     """hivemind's step timeout for a round: how long its search for a group may last (the deadline ends the
     search, not an all-reduce under way). ``round_timeout``, or the grace window and a second if longer; cut
-    to ``search_seconds`` when given, but never before a second past the group's scheduled start.
+    to ``search_seconds`` when given, but never before a second past the group's scheduled start. Both seconds
+    are ``longer_go`` seconds longer when the wait for a leader's go is (:func:`go_timeout`): the deadline ends
+    that wait too.
 
     >>> search_timeout(30.0, 2.5, 10.0, None), search_timeout(30.0, 2.5, 40.0, None)
     (30.0, 41.0)
     >>> search_timeout(30.0, 2.5, 10.0, 2.5), search_timeout(30.0, 2.5, 1.0, 2.5), search_timeout(30.0, 2.5, None, 0.0)
     (11.0, 3.5, 3.5)
+    >>> search_timeout(30.0, 2.5, 1.0, 2.5, longer_go=5.0)
+    8.5
     """
-    timeout = round_timeout if grace is None else max(round_timeout, grace + 1.0)
+    past = 1.0 + max(0.0, longer_go)
+    timeout = round_timeout if grace is None else max(round_timeout, grace + past)
     if search_seconds is not None:
-        timeout = min(timeout, max(search_seconds, max(grace or 0.0, matchmaking_time) + 1.0))
+        timeout = min(timeout, max(search_seconds, max(grace or 0.0, matchmaking_time) + past))
     return timeout
 
 
@@ -122,6 +127,7 @@ class HivemindAveraging:
     _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
     _allreduces: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=ALLREDUCES_KEPT))
     _go_timeout: float = field(init=False, default=0.0)  # the averager process's wait for a leader's go
+    _control: Any = field(init=False, default=None)  # the step control of the round in progress
 
     def __post_init__(self) -> None:
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
@@ -258,10 +264,11 @@ class HivemindAveraging:
             for i, d in zip(indices, deltas, strict=True):
                 buffers[i].copy_(d)
         scheduled = None if grace is None else get_dht_time() + max(grace, self.cfg.matchmaking_time)
-        timeout = search_timeout(self.cfg.round_timeout, self.cfg.matchmaking_time, grace, search_seconds)
         self._averager.set_group_bits(group_bits(fragment, version))
         self._set_quorum()
         self._set_go_timeout()
+        timeout = search_timeout(self.cfg.round_timeout, self.cfg.matchmaking_time, grace, search_seconds,
+                                 longer_go=self._go_timeout - self.cfg.request_timeout)
         began = time.time()  # wall clock: the averager process stamps the group's forming with it
         control = self._averager.step(
             weight=float(weight), gather=self._gathered(deltas, weight, metadata, fragment), timeout=timeout,
@@ -270,6 +277,7 @@ class HivemindAveraging:
             # group bits and could pair us with learners at other versions: one attempt per round.
             allow_retries=False,
         )
+        self._control = control
         self._watch_for_newer_version(control, fragment, version + 1)
         try:
             result = control.result()
@@ -309,6 +317,11 @@ class HivemindAveraging:
             sketch=stats.get("sketch"),
             sketch_key=str(stats.get("sketch_key") or ""),
         )
+
+    def grouped(self) -> bool:
+        """Whether the round in progress has found its group: its all-reduce began (hivemind's step control)."""
+        control = self._control
+        return control is not None and not control.done() and bool(control.began_allreduce)
 
     def searching_peers(self, fragment: int, version: int) -> int:
         """How many other peers are looking for a group at (``fragment``, ``version``) right now.

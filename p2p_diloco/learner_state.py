@@ -76,8 +76,9 @@ class Counters:
         if lr_steps is None:
             lr_steps = self.lr_steps_since_merge[fragment] * min(1.0, steps / before) if before else 0.0
         self.tokens_since_merge[fragment] = max(0, self.tokens_since_merge[fragment] - tokens)
-        self.steps_since_merge[fragment] = max(0, before - steps)
-        self.lr_steps_since_merge[fragment] = max(0.0, self.lr_steps_since_merge[fragment] - lr_steps)
+        left = self.steps_since_merge[fragment] = max(0, before - steps)
+        # No steps left, none at the peak lr either; never more at the peak lr than steps.
+        self.lr_steps_since_merge[fragment] = min(float(left), max(0.0, self.lr_steps_since_merge[fragment] - lr_steps))
         self.steps_merged += steps / fragments
 
     def fill_lr_steps(self) -> None:
@@ -99,6 +100,7 @@ class Unconfirmed:
     snapshot: list[torch.Tensor]
     tokens: int
     steps: int
+    lr_steps: float | None = None  # those steps at the peak lr (None: unknown, a share of the fragment's by count)
 
 
 @dataclass

@@ -17,10 +17,11 @@ t_step_i is an exponential moving average of learner i's own inner steps; t_roun
 :data:`ROUNDS_KEPT` rounds that formed a group (matchmaking, all-reduce and certificate), so that one slow round
 does not move the period up a rung that the hysteresis then keeps; a slot skipped because a round was still in
 flight counts that round at once, as long as it had run (:meth:`Pace.observe_overrun`). A learner with a fall
-pending takes the smallest fall another learner announced from the same period (reads on both sides of a rung). The floor is what the configuration needs
-(a slot per fragment longer than twice the matchmaking time). Every learner reads nearly the same records
-and computes the same T from them, and a change takes effect at a time that depends only on the two
-periods, so slots stay aligned; a learner whose read differs is misaligned until its next read.
+pending takes the smallest fall another learner announced from the same period (reads on both sides of a rung).
+The floor is what the configuration needs (a slot per fragment longer than twice the matchmaking time). Every
+learner reads nearly the same records and computes the same T from them, and a change takes effect at a time that
+depends only on the two periods, so slots stay aligned; a learner whose read differs is misaligned until its next
+read.
 A minority of lying records cannot move the upper median outside the honest proposals' range, and a
 proposal is bounded by :data:`MAX_PERIOD`.
 """
@@ -53,6 +54,18 @@ def rung(seconds: float, floor: float) -> float:
         return floor
     k = math.ceil(math.log(seconds / floor, RUNG) - 1e-9)
     return min(MAX_PERIOD, round(floor * RUNG**k, 3))  # rounded: a period every learner writes the same
+
+
+def is_rung(seconds: float, floor: float) -> bool:
+    """Whether ``seconds`` is a period :func:`rung` gives (``floor · RUNG^k`` as rounded there, or the longest).
+
+    >>> is_rung(56.569, 10.0), is_rung(56.5, 10.0), is_rung(10.0, 10.0), is_rung(7.071, 10.0)
+    (True, False, True, False)
+    """
+    if not math.isfinite(seconds) or seconds < floor:
+        return False
+    k = round(math.log(seconds / floor, RUNG))
+    return seconds == MAX_PERIOD or abs(round(floor * RUNG**k, 3) - seconds) < 1e-6
 
 
 def agreed_period(proposals: Iterable[float], current: float, floor: float) -> float:
@@ -191,9 +204,10 @@ class Pace:
                 # A fall: to the smallest fall another learner announced, at a boundary it could have (its
                 # fall from the same period). Learners whose reads put the median on both sides of a rung
                 # decided falls to two periods, and their slots parted (60 → 20 and 28.3 at 50 Mbit/s, WAN
-                # benchmark, 2026-12-05); a liar can only make a fall smaller, never cause one.
-                smaller = [(p, a) for p, a in announced if self.pending[0] < p < self.period
-                           and now + MIN_NOTICE <= a and _on_boundary(a, self.period)]
+                # benchmark, 2026-12-05). Only a fall an honest learner could decide counts: to a rung, and at
+                # least a rung (below DOWN · period, rounded up). A liar can make a fall smaller, within that.
+                smaller = [(p, a) for p, a in announced if self.pending[0] < p <= RUNG * DOWN * self.period + 1e-6
+                           and is_rung(p, self.floor) and now + MIN_NOTICE <= a and _on_boundary(a, self.period)]
                 if smaller:
                     period = max(p for p, _ in smaller)
                     self.pending = (period, min(a for p, a in smaller if p == period))

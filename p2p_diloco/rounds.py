@@ -50,10 +50,11 @@ class InFlight:
     outcome: RoundOutcome | None = None
     lr_steps: float | None = None  # the steps counted at the peak lr (exclusion.py): ``steps`` when None
     started: float = field(default_factory=time.perf_counter)
+    overran: bool = False  # the pace has counted it as a round that outlived its slot
 
     def unconfirmed(self, version: int) -> Unconfirmed:
         """What this round sent, started from ``version``, until we know whether it was committed."""
-        return Unconfirmed(version, self.snapshot, self.tokens, self.steps)
+        return Unconfirmed(version, self.snapshot, self.tokens, self.steps, self.lr_steps)
 
     def running(self) -> bool:
         """Whether the round's thread is still running (False for a round run in the foreground)."""
@@ -390,8 +391,11 @@ class Rounds:
                 self.start(frag)
 
     def _overran(self, task: InFlight) -> None:
-        """A slot was skipped for ``task``, still running: the pace counts it as a round at least that long."""
-        if self.pace is not None:
+        """A slot was skipped for ``task``, still running: the pace counts it once as a round at least that long,
+        if it found a group (a search that finds none measures its timeout, not the link, as in
+        :meth:`Pace.observe_round <p2p_diloco.pace.Pace.observe_round>`)."""
+        if self.pace is not None and not task.overran and self.averaging.grouped():
+            task.overran = True
             self.pace.observe_overrun(time.perf_counter() - task.started)
 
     def _alone_at(self, f: int) -> bool:

@@ -230,12 +230,13 @@ def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, whe
         f = frag.index
         if f in saved:
             u = saved[f]
+            lr_steps = u.get("lr_steps")  # checkpoints before it: a share of the fragment's by count
             state.unconfirmed[f] = Unconfirmed(int(u["version"]), list(u["snapshot"]), int(u["tokens"]),
-                                               int(u["steps"]))
+                                               int(u["steps"]), None if lr_steps is None else float(lr_steps))
         elif c.tokens_since_merge[f] > 0:
             snapshot = state.snapshot(frag)
             state.unconfirmed[f] = Unconfirmed(state.states[f].version, snapshot, c.tokens_since_merge[f],
-                                               c.steps_since_merge[f])
+                                               c.steps_since_merge[f], c.lr_steps_since_merge[f])
     logger.info(f"resumed from {where} at version {state.version}")
     return int(payload["sampler_cursor"])
 

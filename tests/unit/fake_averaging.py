@@ -41,9 +41,13 @@ class FakeAveraging:
         self.serves = serves or {}  # peer → what it serves (None: the answer to "any peer")
         self.priority: int | None = None
         self.looks = 0
+        self.in_group = True  # what grouped() answers: a round in flight has found its group
 
     def set_state_priority(self, version: int) -> None:
         self.priority = version
+
+    def grouped(self) -> bool:
+        return self.in_group
 
     def searching_peers(self, fragment: int, version: int) -> int:
         self.looks += 1

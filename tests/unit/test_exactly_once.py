@@ -120,7 +120,7 @@ def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, c
     p = state.local(frag)[0]
     ours = _state(0.0, 4)
     # We sent our progress at θ = 1 (10 steps, 640 tokens), then trained on to θ = 1.5 (5 more steps).
-    state.unconfirmed[frag.index] = Unconfirmed(4, [torch.full((3,), 1.0)], 640, 10)
+    state.unconfirmed[frag.index] = Unconfirmed(4, [torch.full((3,), 1.0)], 640, 10, lr_steps=4.5)
     with torch.no_grad():
         p.fill_(1.5)
     state.counters.tokens_since_merge[frag.index], state.counters.steps_since_merge[frag.index] = 960, 15
@@ -133,7 +133,7 @@ def test_rebase_leaves_out_an_outer_gradient_the_swarm_already_holds(included, c
         assert torch.allclose(p.detach(), torch.full((3,), 10.5))
         assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (320, 5, 1)
         assert c.steps_merged == 10 / 2 and "not contributing it again" in caplog.text
-        assert c.lr_steps_since_merge[0] == pytest.approx(2.0)  # an unconfirmed round's share: 5 of 15 steps
+        assert c.lr_steps_since_merge[0] == pytest.approx(1.5)  # what the round sent counted as 4.5 of the 6
     else:  # the round did not use it: all 15 steps are kept
         assert torch.allclose(p.detach(), torch.full((3,), 11.5))
         assert (c.tokens_since_merge[0], c.steps_since_merge[0], c.contributions_confirmed) == (960, 15, 0)

@@ -107,9 +107,9 @@ def test_claimed_lr_steps_are_bounded_by_the_steps_and_the_warm_up():
     assert _out({**plain, "d": {"norm": 8.1, "finite": True, "steps": 20, "lr_steps": 1e300}}) == {"d"}
     # A version the warm-up has passed: the full lr.
     assert warm.peak_share(9) == 1.0 and Rules(8.0).peak_share(0) == 1.0
-    # Zero lr_steps: a zero norm is no outlier, any other is.
+    # Zero lr_steps count as a millionth of a step each (a finite rate): a zero norm is no outlier, a whole one is.
     zero = {"norm": 0.0, "finite": True, "steps": 3, "lr_steps": 0.0}
-    assert _out({**plain, "d": zero}) == set() and _out({**plain, "d": {**zero, "norm": 1e-9}}) == {"d"}
+    assert _out({**plain, "d": zero}) == set() and _out({**plain, "d": {**zero, "norm": 1.0}}) == {"d"}
     for bad in (-1.0, NAN, INF, "1", True, None):
         assert judge({**plain, "d": {**plain["a"], "lr_steps": bad}}, Rules(8.0)).excluded["d"].why == \
             f"its lr_steps {bad!r} are invalid"

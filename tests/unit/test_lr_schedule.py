@@ -82,6 +82,8 @@ def test_steps_are_counted_at_the_peak_lr_for_the_outlier_rule():
     c.merged(0, 200, 2, 2, lr_steps=0.5)  # the round took the first two steps
     c.merged(1, 200, 2, 2)  # not known which: half of them
     assert (c.steps_since_merge, c.lr_steps_since_merge) == ([2, 2], [2.0, 1.25])
+    c.merged(1, 200, 2, 2, lr_steps=1.0)  # no steps left: none at the peak lr either (no drift between the two)
+    assert (c.steps_since_merge[1], c.lr_steps_since_merge[1]) == (0, 0.0)
     old = Counters(steps_since_merge=[7, 3], tokens_since_merge=[1, 1], missed_versions=[0, 0])
     old.fill_lr_steps()
     assert old.lr_steps_since_merge == [7.0, 3.0]

@@ -86,8 +86,10 @@ def test_learners_whose_reads_differ_fall_to_the_smallest_fall_announced():
     assert shallow.update([25.0], now=1005.0, announced=[(20.0, 1020.0)]) is None  # a deeper fall: not taken
     assert shallow.pending == (28.284, 1020.0)
     # Announcements that do not qualify: a rise, no fall at all, a time that is no boundary of a fall from
-    # 60 s, one too close.
-    for bad in [(80.0, 1080.0), (60.0, 1080.0), (28.284, 1030.0), (28.284, 1005.5)]:
+    # 60 s, one too close, one to a period that is no rung, one too shallow for any honest learner's fall (a
+    # liar's fall by a hair would keep the period up).
+    for bad in [(80.0, 1080.0), (60.0, 1080.0), (28.284, 1030.0), (28.284, 1005.5), (25.0, 1020.0),
+                (56.569, 1020.0), (59.9, 1020.0)]:
         other = _pace(period=60.0)
         other.update([19.0], now=1005.0)
         assert other.update([19.0], now=1005.0, announced=[bad]) is None and other.pending == (20.0, 1020.0)

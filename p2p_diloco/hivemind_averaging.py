@@ -230,11 +230,16 @@ class HivemindAveraging:
 
     def _set_go_timeout(self) -> None:
         """Wait for a leader's go as long as our recent all-reduces say it may queue (:func:`go_timeout`)."""
-        wait = round(go_timeout(self.cfg.request_timeout, self._allreduces, self.cfg.round_timeout), 1)
+        wait = go_timeout(self.cfg.request_timeout, self._allreduces, self.cfg.round_timeout)
+        if wait > self.cfg.request_timeout:
+            wait = float(math.ceil(wait))  # whole seconds: not a message to the averager process every round
         if wait != self._go_timeout:
             self._averager.set_go_timeout(wait)
-            logger.info(f"waiting up to {wait:.1f} s past a group's deadline for its leader's go (all-reduces took "
-                        f"{statistics.median_high(self._allreduces) if self._allreduces else 0:.1f} s)")
+            # One INFO line when the wait first grows past the configured one; its moves after it at DEBUG.
+            first = self._go_timeout == self.cfg.request_timeout
+            logger.log(logging.INFO if first else logging.DEBUG,
+                       f"waiting up to {wait:.0f} s past a group's deadline for its leader's go (all-reduces took "
+                       f"{statistics.median_high(self._allreduces) if self._allreduces else 0:.1f} s)")
             self._go_timeout = wait
 
     def _rules(self) -> Rules:

@@ -17,11 +17,12 @@ t_step_i is an exponential moving average of learner i's own inner steps; t_roun
 :data:`ROUNDS_KEPT` rounds that formed a group (matchmaking, all-reduce and certificate), so that one slow round
 does not move the period up a rung that the hysteresis then keeps; a slot skipped because a round was still in
 flight counts that round at once, as long as it had run (:meth:`Pace.observe_overrun`). A learner with a fall
-pending takes the smallest fall another learner announced from the same period (reads on both sides of a rung).
-The floor is what the configuration needs (a slot per fragment longer than twice the matchmaking time). Every
-learner reads nearly the same records and computes the same T from them, and a change takes effect at a time that
-depends only on the two periods, so slots stay aligned; a learner whose read differs is misaligned until its next
-read.
+pending takes the smallest fall another learner announced from the same period (reads on both sides of a rung); a
+rise pending is revised upwards only when that applies no later, and gives way to a smaller rise announced to
+apply sooner. The floor is what the configuration needs (a slot per fragment longer than twice the matchmaking
+time). Every learner reads nearly the same records and computes the same T from them, and a change takes effect at
+a time that depends only on the two periods, so slots stay aligned; a learner whose read differs is misaligned
+until its next read.
 A minority of lying records cannot move the upper median outside the honest proposals' range, and a
 proposal is bounded by :data:`MAX_PERIOD`.
 """
@@ -193,7 +194,12 @@ class Pace:
                 if new == self.period:
                     self.pending = None
                     return None
-                self.pending, decided = (new, switch_time(self.period, new, now, self.lead)), True
+                at = switch_time(self.period, new, now, self.lead)
+                if self.pending[0] < self.period or at <= self.pending[1]:
+                    self.pending, decided = (new, at), True
+                # Else a rise pending applies sooner than this larger one would: it stands, and the rest of the way
+                # up is decided once it is in use. (At 1 Mbit/s a rise to 113.1 s due in 55 s, revised to 160 s at
+                # the next multiple of 160 s, came 158 s later: 4 rounds found no group meanwhile, 2026-12-05.)
             # Otherwise a pending change stands until it applies: revised only upwards. (Revising it at every read,
             # proposals measured under start-up load moved it 40 → 20 → 28.3 → 40 s within a minute, each time
             # with another switch time; WAN benchmark at 20 Mbit/s, 2026-12-03.)
@@ -212,6 +218,16 @@ class Pace:
                     period = max(p for p, _ in smaller)
                     self.pending = (period, min(a for p, a in smaller if p == period))
                     decided = True
+            elif self.pending[0] > self.period:
+                # A rise: to one another learner announced that applies sooner, smaller but a rung up all the same
+                # (a multiple of its own period, as a rise is), so that learners whose first reads came a heartbeat
+                # apart do not rise to two periods (one at once, one directly to the larger). A liar can make a
+                # rise come sooner and smaller (the rest follows), never cause one.
+                sooner = [(p, a) for p, a in announced if self.period < p < self.pending[0] and is_rung(p, self.floor)
+                          and now + MIN_NOTICE <= a < self.pending[1] and _on_boundary(a, p)]
+                if sooner:
+                    at = min(a for _, a in sooner)
+                    self.pending, decided = (max(p for p, a in sooner if a == at), at), True
             period, at = self.pending
             step = max(self.period, period)
             earlier = [a for p, a in announced if p == period and now + MIN_NOTICE <= a < at and _on_boundary(a, step)]

@@ -56,7 +56,14 @@ def test_a_pending_change_is_revised_only_upwards_or_cancelled():
     assert p.update([18.0], now=1003.0) is None and p.pending == change  # lower proposals: the change stands
     assert p.update([45.0], now=1006.0) is None and p.pending is None  # the period in use is needed again: cancelled
     assert p.update([100.0], now=1009.0) == (113.137, switch_time(60.0, 113.137, 1009.0, 8.0))  # up
-    assert p.update([130.0], now=1012.0) == (160.0, switch_time(60.0, 160.0, 1012.0, 8.0))  # further up at once
+    assert switch_time(60.0, 113.137, 1009.0, 8.0) == pytest.approx(1018.233)
+    # Further up at once when that applies no later; a larger rise due later waits for the one pending to apply
+    # (1 Mbit/s, 2026-12-05: 113.1 s due in 55 s became 160 s due in 158 s).
+    assert p.update([130.0], now=1012.0) is None and p.pending == (113.137, pytest.approx(1018.233))
+    q = _pace(period=20.0)
+    assert q.update([21.0], now=1030.0) == (28.284, switch_time(20.0, 28.284, 1030.0, 8.0))  # 37 · 28.284 = 1046.5
+    assert q.update([35.0], now=1031.0) == (40.0, 1040.0)  # 40 s from 1040: sooner, so at once
+    assert q.update([21.0], now=1032.0) is None and q.pending == (40.0, 1040.0)  # and only upwards
 
 
 def test_a_learner_that_decided_a_change_late_takes_the_earliest_boundary_announced_for_it():
@@ -93,10 +100,26 @@ def test_learners_whose_reads_differ_fall_to_the_smallest_fall_announced():
         other = _pace(period=60.0)
         other.update([19.0], now=1005.0)
         assert other.update([19.0], now=1005.0, announced=[bad]) is None and other.pending == (20.0, 1020.0)
-    # A rise is not revised by anyone's word.
-    rising = _pace(period=20.0)
-    assert rising.update([50.0], now=1001.0) == (56.569, switch_time(20.0, 56.569, 1001.0, 8.0))
-    assert rising.update([50.0], now=1002.0, announced=[(28.284, switch_time(20.0, 28.284, 1002.0, 8.0))]) is None
+    # A fall is never turned into a rise by anyone's word.
+    assert deep.update([19.0], now=1006.0, announced=[(80.0, 1040.0)]) is None and deep.pending == (28.284, 1020.0)
+
+
+def test_a_learner_rising_takes_a_smaller_rise_another_announced_that_applies_sooner():
+    """One learner's first read decides 60 → 113.1 s, the next one's (a heartbeat later) 60 → 160 s directly, due
+    much later: without a rule their slots part until the second rise."""
+    first, second = _pace(period=60.0), _pace(period=60.0)
+    soon = first.update([100.0], now=1009.0)
+    assert soon == (113.137, pytest.approx(1018.233))
+    late = second.update([130.0], now=1017.0)
+    assert late == (160.0, 1120.0)
+    assert second.update([130.0], now=1017.0, announced=[soon]) == soon
+    # Not taken: no rise (a fall or the period in use), a rung that is no rung, a time no boundary of that rise,
+    # one too close, one later than ours.
+    for bad in [(40.0, 1020.0), (60.0, 1080.0), (100.0, 1100.0), (113.137, 1100.0), (113.137, 1017.5),
+                (113.137, 1131.37)]:
+        other = _pace(period=60.0)
+        other.update([130.0], now=1017.0)
+        assert other.update([130.0], now=1017.0, announced=[bad]) is None and other.pending == (160.0, 1120.0)
 
 
 def test_a_skipped_slot_counts_the_round_in_flight_as_one_at_least_that_long():

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
 import hivemind.averaging.averager
@@ -184,40 +184,38 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
                 logger.debug(f"all-reduce failed: {e!r}")
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
+    def _in_averager_process(self, method: str, wait: bool, **kwargs: Any):
+        """Run ``method`` (a coroutine method taking ``future``) in the averager process, through hivemind's pipe."""
+        future = MPFuture()
+        self._outer_pipe.send((method, [], dict(**kwargs, future=future)))
+        return future.result() if wait else future
+
     def set_min_group_size(self, size: int, wait: bool = True):
         """Matchmake with quorum ``size`` from the next round on (a majority quorum follows the swarm's size);
         a group then closes early only once it has at least that many members, whatever the target size."""
-        future = MPFuture()
-        self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(size), future=future)))
-        return future.result() if wait else future
+        return self._in_averager_process("_set_min_group_size", wait, size=int(size))
 
     async def _set_min_group_size(self, size: int, future: MPFuture) -> None:
-        try:
+        def apply() -> None:
             quorum = max(self._base_quorum, size)
             self._matchmaking.min_group_size = quorum
             target = max(self._base_target, quorum)
             # hivemind's key manager draws each member's next group bits from `target` buckets: it must
             # hold the largest group (our group bits are set again before every round anyway).
             self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
-            future.set_result(None)
-        except Exception as e:
-            if not future.done():
-                future.set_exception(e)
+
+        _settle(future, apply)
 
     def set_go_timeout(self, seconds: float, wait: bool = True):
         """From the next search on, wait up to ``seconds`` past the group's deadline for a leader's go
         (:mod:`p2p_diloco.leader_wait`; never less than ``request_timeout``)."""
-        future = MPFuture()
-        self._outer_pipe.send(("_set_go_timeout", [], dict(seconds=float(seconds), future=future)))
-        return future.result() if wait else future
+        return self._in_averager_process("_set_go_timeout", wait, seconds=float(seconds))
 
     async def _set_go_timeout(self, seconds: float, future: MPFuture) -> None:
-        try:
+        def apply() -> None:
             PatientMatchmaking.adopt(self._matchmaking).go_timeout = seconds
-            future.set_result(None)
-        except Exception as e:
-            if not future.done():
-                future.set_exception(e)
+
+        _settle(future, apply)
 
     def _check_quorum(self, verdict: Verdict, group_info, gathered: dict) -> None:
         """Fail the round for every member if the contributions left are fewer than the group's quorum: a
@@ -409,3 +407,13 @@ def group_quorum(gathered: Iterable[Any], base: int) -> int:
         return base
     claims.sort()
     return max(base, claims[len(claims) // 2])
+
+
+def _settle(future: MPFuture, action: Callable[[], None]) -> None:
+    """Run ``action`` in the averager process and settle the caller's ``future`` with its outcome."""
+    try:
+        action()
+        future.set_result(None)
+    except Exception as e:
+        if not future.done():
+            future.set_exception(e)

@@ -243,7 +243,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
     if rules.norm_outlier_factor > 0:
         # Per √step at the peak lr: honest learners send the progress of few or many steps, which grows like a
         # random walk of steps each as long as its lr.
-        rates = {p: _rate(n, steps[p]) for p, n in norms.items()}
+        rates = {p: n / math.sqrt(steps[p]) for p, n in norms.items()}  # steps[p] > 0: _peak_steps
         if logger.isEnabledFor(logging.DEBUG):  # judged every round: no string built when nobody reads it
             logger.debug("norms per √(inner steps at the peak lr): " + ", ".join(
                 f"{p[-6:]} {rates[p]:.3g} ({steps[p]:.3g} steps)" for p in sorted(rates)))
@@ -392,11 +392,6 @@ def _peak_steps(meta: Mapping[str, Any], rules: Rules) -> float:
     claimed = meta.get("lr_steps")
     # At least a millionth of a peak step per step: a claimed 0 would divide by zero.
     return bound if claimed is None else max(MIN_LR_SHARE * counted, min(float(claimed), bound))
-
-
-def _rate(norm: float, peak_steps: float) -> float:
-    """A norm per √(inner steps at the peak lr) (``peak_steps`` > 0: :func:`_peak_steps` bounds it from below)."""
-    return norm / math.sqrt(peak_steps)
 
 
 def _outlier(rate: float, median: float, factor: float) -> str:

@@ -127,9 +127,7 @@ class Pace:
         until the proposals came below 40 s).
         The upper median moves only when most of the latest rounds do, and errs long while there are few."""
         if group_size >= 2 and math.isfinite(seconds) and seconds >= 0:
-            with self._lock:
-                self._rounds.append(seconds)
-                self.t_round = statistics.median_high(self._rounds)
+            self._count_round(seconds)
 
     def observe_overrun(self, seconds: float) -> None:
         """A round still running ``seconds`` after it started made this learner skip a slot: a round at least that
@@ -142,9 +140,13 @@ class Pace:
         slot says at once that rounds outlast their slots; a round longer than its slot is not one a fast link
         has, so this does not lift the period on a fast link."""
         if math.isfinite(seconds) and seconds > 0:
-            with self._lock:
-                self._rounds.append(seconds)
-                self.t_round = statistics.median_high(self._rounds)
+            self._count_round(seconds)
+
+    def _count_round(self, seconds: float) -> None:
+        """One of the latest rounds took ``seconds``: t_round is their upper median."""
+        with self._lock:
+            self._rounds.append(seconds)
+            self.t_round = statistics.median_high(self._rounds)
 
     def proposal(self) -> float:
         """This learner's proposed period; 0.0 (none) until it has measured an inner step and a round that formed

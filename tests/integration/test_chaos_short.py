@@ -28,8 +28,11 @@ def test_the_chaos_benchmarks_short_mode_reports_both_goodputs_without_a_fork(tm
             # (in 60 s on a loaded machine the synchronous mode may merge nothing at all: 0 is a figure too)
             assert isinstance(r[figure], float) and 0.0 <= r[figure] <= 1.0, (mode, figure, r)
         assert r["downtime_learner_seconds"] > 0, (mode, r)
+        assert r["goodput_never_killed"] is None or 0.0 <= r["goodput_never_killed"] <= 1.0, (mode, r)
         assert r["lineages"] == 1 and not r["nan"], (mode, r)
         assert r["final_eval_loss"] is not None and math.isfinite(r["final_eval_loss"]), (mode, r)
     # Both figures share one numerator; leaving the dead learners' downtime out of the denominator raises it.
     for r in results.values():
         assert r["goodput_live"] >= r["goodput"]
+        # ... and leaving the first start-ups out as well raises it again.
+        assert r["goodput_live_after_start"] >= r["goodput_live"]

@@ -47,3 +47,20 @@ def test_the_matched_run_is_cut_where_its_steady_token_rate_reaches_the_target(c
     clean = {"startup_seconds": [6.0, 8.0, None, 7.0], "global_tokens": 4_000}
     assert chaos.matched_duration(188.0, clean, 3_000) == pytest.approx(8.0 + 180.0 * 0.75)
     assert chaos.matched_duration(188.0, clean, 5_000) == pytest.approx(188.0)  # never longer than the clean run
+
+
+def test_live_goodput_after_start_leaves_the_first_start_ups_out_of_the_live_seconds(chaos):
+    # Two learners, 100 s: one alive throughout (started in 5 s), one killed at 3 s during its start-up and
+    # down for 10 s; useful work 160 learner-s.
+    live = 100.0 + (100.0 - 10.0)
+    assert chaos.live_after_start(160.0, live, [5.0, 3.0]) == pytest.approx(160.0 / (190.0 - 8.0))
+    assert chaos.live_after_start(160.0, 8.0, [5.0, 3.0]) is None  # nothing left after the start-ups
+
+
+def test_the_never_killed_goodput_counts_only_the_learners_no_kill_hit(chaos, tmp_path):
+    # Learner 0 killed; 1 merged 90 of 100 steps of 0.5 s; 2 merged all 100 steps of 0.8 s. 100 s run.
+    summaries = [{"steps_merged": 10, "compute_seconds": 50.0, "inner_steps": 100},
+                 {"steps_merged": 90, "compute_seconds": 50.0, "inner_steps": 100},
+                 {"steps_merged": 100, "compute_seconds": 80.0, "inner_steps": 100}]
+    assert chaos.never_killed_goodput(tmp_path, summaries, {0}, 100.0) == pytest.approx((45.0 + 80.0) / 200.0)
+    assert chaos.never_killed_goodput(tmp_path, summaries, {0, 1, 2}, 100.0) is None

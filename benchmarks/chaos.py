@@ -24,7 +24,8 @@ Only learner 0 evaluates during the run (every 4th outer step), as one evaluator
 ``goodput_after_start`` divides the same merged work by the learner-seconds after each learner's
 first start-up (process start to its first inner step, the same in every mode and paid once in a
 long run); restarts after a kill still count in full. Cost per kill = (the mode's failure-free
-goodput − its goodput) × M × wall time / failures, in learner-seconds.
+goodput − its goodput) × M × wall time / failures, in learner-seconds; ``cost_per_kill_live_learner_seconds``
+the same with live goodput and live learner-seconds (the dead learner's downtime left out).
 
 ``goodput_live`` divides the same merged work by the learner-seconds in which learners were alive:
 a killed learner's downtime (kill to restart) leaves the denominator, in both modes, and is reported
@@ -356,6 +357,9 @@ def main() -> None:
             if free and r["failures"]:
                 r["cost_per_kill_learner_seconds"] = (free["goodput"] - r["goodput"]) * r["learners"] * \
                     args.duration / r["failures"]
+                # The same over live time: what a kill costs besides the dead learner's downtime.
+                r["cost_per_kill_live_learner_seconds"] = (free["goodput_live"] - r["goodput_live"]) * \
+                    r["live_learner_seconds"] / r["failures"]
         decoupled, ends = by_mode.get("decoupled"), [by_mode.get("clean"), by_mode.get("clean-matched")]
         if decoupled and all(e and e["final_eval_loss"] is not None for e in [decoupled, *ends]):
             points = [(e["global_tokens"], e["final_eval_loss"]) for e in ends]
@@ -366,7 +370,8 @@ def main() -> None:
                 t for t, _ in points)
             decoupled["clean_eval_at_same_tokens"] = clean_loss
             decoupled["eval_vs_clean"] = None if clean_loss is None else decoupled["final_eval_loss"] / clean_loss - 1
-    print("\n| mode | learners | failures | goodput | after start-up | live goodput | downtime (learner-s) | "
+    print("\n| mode | learners | failures | goodput | after start-up | live goodput | live after start-up | "
+          "never killed | downtime (learner-s) | "
           "cost per kill (learner-s) | merged / computed steps | version | lineages | NaN | eval loss | "
           "clean eval @ same tokens (difference) | re-integrations | restart to first commit (s) | "
           "real compute per step |")

@@ -35,7 +35,7 @@ to the restarted learner's first committed round (its steps reach the model agai
 ``goodput_never_killed`` is the goodput of the learners that no kill hit: in ``decoupled`` a failure should
 cost them nothing (compare ``clean``); in ``sync`` every kill stalls them too.
 ``goodput_live_after_start`` also leaves each learner's first start-up (launch to its first inner step, paid
-once per run: 2.5-3.7% of a 180 s run on 2 cores) out of the live seconds: the live goodput of a long run.
+once per run: 3.4-4.0% of a 180 s run on 2 cores on 480c80e) out of the live seconds: the live goodput of a long run.
 
 Loss at equal merged tokens: a run's final eval loss is its learners' global model (both fragments) evaluated
 as they leave, after their parting rounds, at the run's final global tokens T. The failure-free loss at the
@@ -202,16 +202,16 @@ def run_mode(mode: str, m: int, duration: float, schedule, downtime: float, work
     for i in range(m):
         path = work / f"summary-{i}.json"
         summaries.append(json.loads(path.read_text()) if path.exists() else None)
-    result = evaluate(mode, m, wall, duration, failures, summaries, work)
-    result["goodput_never_killed"] = never_killed_goodput(work, summaries, killed, duration)
+    result = evaluate(mode, m, wall, duration, failures, summaries, work, killed)
+    useful = result["goodput"] * m * duration  # learner-seconds of merged work
     after_start = sum(duration - startup.get(i, duration) for i in range(m))
     result["startup_seconds"] = [round(startup[i], 1) if i in startup else None for i in range(m)]
-    result["goodput_after_start"] = result["goodput"] * m * duration / after_start if after_start else None
+    result["goodput_after_start"] = useful / after_start if after_start else None
     live_seconds = live.total(duration)
     result["live_learner_seconds"] = round(live_seconds, 1)
     result["downtime_learner_seconds"] = round(m * duration - live_seconds, 1)
-    result["goodput_live"] = result["goodput"] * m * duration / live_seconds if live_seconds else None
-    result["goodput_live_after_start"] = live_after_start(result["goodput"] * m * duration, live_seconds,
+    result["goodput_live"] = useful / live_seconds if live_seconds else None
+    result["goodput_live_after_start"] = live_after_start(useful, live_seconds,
                                                           [startup.get(i, duration) for i in range(m)])
     result["reintegration_seconds"] = [None if c["back"] is None else round(c["back"] - c["at"], 1)
                                        for c in comebacks]
@@ -248,21 +248,20 @@ def _useful(c: dict | None) -> float:
     return c["steps_merged"] * c["compute_seconds"] / c["inner_steps"] if c and c["inner_steps"] else 0.0
 
 
-def never_killed_goodput(work: Path, summaries: list, killed: set[int], duration: float) -> float | None:
-    """Goodput of the learners no kill hit (their useful seconds over theirs): what the others' failures cost
-    the learners that kept running. None if every learner was killed."""
-    spared = [i for i in range(len(summaries)) if i not in killed]
-    if not spared:
-        return None
-    return sum(_useful(_counters(work, i, summaries[i])) for i in spared) / (len(spared) * duration)
+def never_killed_goodput(useful: list[float], killed: set[int], duration: float) -> float | None:
+    """Goodput of the learners no kill hit (``useful``: each learner's merged learner-seconds), over their own
+    time: what the others' failures cost the learners that kept running. None if every learner was killed."""
+    spared = [u for i, u in enumerate(useful) if i not in killed]
+    return sum(spared) / (len(spared) * duration) if spared else None
 
 
-def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
-    useful = merged = computed = compute_seconds = 0.0
+def evaluate(mode, m, wall, duration, failures, summaries, work: Path, killed: set[int]) -> dict:
+    merged = computed = compute_seconds = 0.0
+    useful = [0.0] * m
     for i, s in enumerate(summaries):
         c = _counters(work, i, s)
         if c and c["inner_steps"]:
-            useful += _useful(c)
+            useful[i] = _useful(c)
             merged += c["steps_merged"]
             computed += c["inner_steps"]
             compute_seconds += c["compute_seconds"]
@@ -275,7 +274,8 @@ def evaluate(mode, m, wall, duration, failures, summaries, work: Path) -> dict:
                          for i in range(m))
     return {
         "mode": mode, "learners": m, "wall_seconds": round(wall, 1), "failures": failures,
-        "goodput": useful / (m * duration), "merged_fraction_of_computed_steps": merged / max(computed, 1),
+        "goodput": sum(useful) / (m * duration), "goodput_never_killed": never_killed_goodput(useful, killed, duration),
+        "merged_fraction_of_computed_steps": merged / max(computed, 1),
         "version": top, "lineages": lineages,
         "nan": any(not math.isfinite(x) for x in losses),
         "final_eval_loss": min(losses) if losses else None,

@@ -57,10 +57,12 @@ def test_live_goodput_after_start_leaves_the_first_start_ups_out_of_the_live_sec
     assert chaos.live_after_start(160.0, 8.0, [5.0, 3.0]) is None  # nothing left after the start-ups
 
 
-def test_the_never_killed_goodput_counts_only_the_learners_no_kill_hit(chaos, tmp_path):
+def test_the_never_killed_goodput_counts_only_the_learners_no_kill_hit(chaos):
     # Learner 0 killed; 1 merged 90 of 100 steps of 0.5 s; 2 merged all 100 steps of 0.8 s. 100 s run.
-    summaries = [{"steps_merged": 10, "compute_seconds": 50.0, "inner_steps": 100},
-                 {"steps_merged": 90, "compute_seconds": 50.0, "inner_steps": 100},
-                 {"steps_merged": 100, "compute_seconds": 80.0, "inner_steps": 100}]
-    assert chaos.never_killed_goodput(tmp_path, summaries, {0}, 100.0) == pytest.approx((45.0 + 80.0) / 200.0)
-    assert chaos.never_killed_goodput(tmp_path, summaries, {0, 1, 2}, 100.0) is None
+    counters = [{"steps_merged": 10, "compute_seconds": 50.0, "inner_steps": 100},
+                {"steps_merged": 90, "compute_seconds": 50.0, "inner_steps": 100},
+                {"steps_merged": 100, "compute_seconds": 80.0, "inner_steps": 100}]
+    useful = [chaos._useful(c) for c in counters]
+    assert useful == pytest.approx([5.0, 45.0, 80.0])
+    assert chaos.never_killed_goodput(useful, {0}, 100.0) == pytest.approx((45.0 + 80.0) / 200.0)
+    assert chaos.never_killed_goodput(useful, {0, 1, 2}, 100.0) is None

@@ -3,7 +3,7 @@
 For each model size and group size N this averages fp32 pseudo-gradients shaped like the byte-level
 GPT's parameters (seeded random values, one set per learner, weights 1..N) and reports:
 
-* hivemind (``p2p_diloco.averaging.HivemindAveraging``): wall seconds of the whole round (matchmaking
+* hivemind (``p2p_diloco.core.averaging_api.HivemindAveraging``): wall seconds of the whole round (matchmaking
   + all-reduce), seconds of the all-reduce alone (``AverageResult.allreduce_seconds``) and bytes each
   learner sent (``AverageResult.bytes_sent``, measured: protobuf messages of the all-reduce);
 * gloo (``torch.distributed.all_reduce`` in N spawned processes): seconds of the all-reduce of one
@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from p2p_diloco.config import AveragingConfig, ModelConfig  # noqa: E402
-from p2p_diloco.models import build_model  # noqa: E402
+from p2p_diloco.train.models.registry import build_model  # noqa: E402
 
 SIZES: dict[str, ModelConfig] = {
     "small": ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=64),
@@ -137,7 +137,7 @@ class _Round:
         self.t_end = [0.0] * n
 
     def learner(self, i: int, averaging, deltas: list[torch.Tensor], version: int) -> None:
-        from p2p_diloco.averaging import RoundFailed
+        from p2p_diloco.core.averaging_api import RoundFailed
 
         self.barrier.wait()
         self.t_start[i] = time.perf_counter()
@@ -151,7 +151,7 @@ class _Round:
 def run_hivemind(
     row: Row, shapes: list[tuple[int, ...]], seed: int, dhts: list, version_base: int, cfg: AveragingConfig
 ) -> None:
-    from p2p_diloco.hivemind_averaging import HivemindAveraging
+    from p2p_diloco.net.averaging import HivemindAveraging
 
     n = row.learners
     template = [torch.zeros(s) for s in shapes]

@@ -9,7 +9,7 @@ round's work in the averager process), "outside" for the rest (imports, the benc
 and reference sums, the learners' main processes):
 
 =================  ===============================================================================
-codec encode       p2p_diloco.quantization / codecs: compressing a part or a reply
+codec encode       p2p_diloco.core.quantization / codecs: compressing a part or a reply
 codec decode       decoding a received part or reply
 checks             the receiver's checks: values finite, declared norm (allreduce.py)
 reduce             adding parts into a shard (AllOrNothingReducer / RobustReducer accumulate)

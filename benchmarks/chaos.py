@@ -71,8 +71,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import add_plot_argument, draw  # noqa: E402
 
-from p2p_diloco.local_swarm import fragment_states  # noqa: E402
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
+from p2p_diloco.sim.local_swarm import fragment_states  # noqa: E402
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")

@@ -66,8 +66,8 @@ from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
 from figures import add_plot_argument, draw  # noqa: E402
 
 from p2p_diloco.config import LearnerConfig, load_learner_config
-from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, processes_in_group, start_bootstrap, stop_procs
+from p2p_diloco.core.lr_schedule import inner_lr  # noqa: E402
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, processes_in_group, start_bootstrap, stop_procs
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"

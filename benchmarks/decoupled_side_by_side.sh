@@ -26,8 +26,8 @@ WORK=$(mktemp -d /tmp/decoupled-side-by-side-XXXX)
 STEP=$($PY - <<'EOF'
 import time, torch
 from benchmarks.decoupled_bench import parse_args, resolve
-from p2p_diloco.data import BatchSampler, load_split
-from p2p_diloco.model import build_model
+from p2p_diloco.train.data.batches import BatchSampler, load_split
+from p2p_diloco.train.models.gpt import build_model
 torch.set_num_threads(1)
 cfg = resolve(parse_args([]))
 model = build_model(cfg.model, 0)

@@ -8,15 +8,15 @@ the learners (``peers/small-cpu.toml``), equal tokens:
 - ``dp``: M workers' gradients averaged every step (one AdamW step on M batches);
 - ``single``: one worker, one batch per step (what a learner that never merges would do);
 - ``diloco H lr mu``: M workers, H AdamW steps each, then the mean of their outer gradients goes
-  through the project's own :class:`~p2p_diloco.outer.OuterOptimizer` (Nesterov), every worker restarts
+  through the project's own :class:`~p2p_diloco.core.outer.OuterOptimizer` (Nesterov), every worker restarts
   from the new Θ (keeping its AdamW state), as in plain synchronous DiLoCo with no failures.
 - ``decoupled H lr mu policy`` (``--decoupled``): the learners' Decoupled DiLoCo arithmetic with
   ``sync.fragments`` = P, ``sync.overlap_steps`` = τ and ``averaging.compression`` from the config:
-  fragment f's round starts at the steps where ``s % H == f·H/P`` (:func:`~p2p_diloco.fragments.due_fragments`,
+  fragment f's round starts at the steps where ``s % H == f·H/P`` (:func:`~p2p_diloco.core.fragments.due_fragments`,
   the learners' own schedule), each outer gradient and their mean cross the codec once each (as input
-  and result of the all-reduce, :func:`~p2p_diloco.quantization.round_trip`), a fragment's first round
-  (f·H/P steps) is that share of an outer step (:func:`~p2p_diloco.outer.round_work`), and the new Θ_f reaches
-  the workers τ steps later under ``policy`` through :func:`~p2p_diloco.outer.apply_result`, the
+  and result of the all-reduce, :func:`~p2p_diloco.core.quantization.round_trip`), a fragment's first round
+  (f·H/P steps) is that share of an outer step (:func:`~p2p_diloco.core.outer.round_work`), and the new Θ_f reaches
+  the workers τ steps later under ``policy`` through :func:`~p2p_diloco.core.outer.apply_result`, the
   function the learners apply every round's result with.
 
     .venv/bin/python benchmarks/diloco_math.py --steps 600 --json benchmarks/results/diloco_math.json
@@ -37,11 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import ConfigError, load_learner_config  # noqa: E402
-from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
-from p2p_diloco.fragments import build_fragments, due_fragments  # noqa: E402
-from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
-from p2p_diloco.models import build_model  # noqa: E402
-from p2p_diloco.outer import (  # noqa: E402
+from p2p_diloco.core.fragments import build_fragments, due_fragments  # noqa: E402
+from p2p_diloco.core.lr_schedule import inner_lr  # noqa: E402
+from p2p_diloco.core.outer import (  # noqa: E402
     GlobalState,
     OuterOptimizer,
     apply_result,
@@ -50,7 +48,9 @@ from p2p_diloco.outer import (  # noqa: E402
     round_work,
     weighted_mean,
 )
-from p2p_diloco.quantization import round_trip  # noqa: E402
+from p2p_diloco.core.quantization import round_trip  # noqa: E402
+from p2p_diloco.train.data.batches import BatchSampler, fixed_eval_batches, load_splits  # noqa: E402
+from p2p_diloco.train.models.registry import build_model  # noqa: E402
 
 
 def dp_overrides(overrides: list[str]) -> list[str]:

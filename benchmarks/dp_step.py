@@ -1,6 +1,6 @@
 """Per-step data parallel, shared by the benchmarks that compare against it (gloo, CPU).
 
-A rank reads its data and builds its model the way a learner does (``p2p_diloco.startup``): the model of
+A rank reads its data and builds its model the way a learner does (``p2p_diloco.learner.startup``): the model of
 ``model`` (the built-in byte GPT, or a Hugging Face config with ``model.path``) from the run seed, and the
 tokenizer of ``data.tokenizer`` (bytes by default) passed to ``load_splits``.
 """
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from p2p_diloco.config import LearnerConfig
-from p2p_diloco.data import BatchSampler, fixed_eval_batches, load_splits
-from p2p_diloco.models import build_model
-from p2p_diloco.tokenizer import load_tokenizer
+from p2p_diloco.train.data.batches import BatchSampler, fixed_eval_batches, load_splits
+from p2p_diloco.train.data.tokenizer import load_tokenizer
+from p2p_diloco.train.models.registry import build_model
 
 
 def setup_rank(cfg: LearnerConfig, rank: int):

@@ -21,13 +21,13 @@ def add_plot_argument(parser: argparse.ArgumentParser, name: str, run: str = "RU
     """``--plot [PATH]``: draw each run's figure (:func:`draw`) to PATH-``run``.png; PATH defaults to
     :func:`figure_path` of ``name``."""
     parser.add_argument("--plot", nargs="?", const=figure_path(name), type=Path, metavar="PATH",
-                        help=f"draw each {run.lower()}'s figure from its learners' audit logs (p2p_diloco.plot) to "
+                        help=f"draw each {run.lower()}'s figure from its learners' audit logs (p2p_diloco.ops.plot) to "
                              f"PATH-{run}.png (default PATH: benchmarks/results/{name}-DATE-COMMIT.png)")
 
 
 def draw(run_dir: Path, out: Path, run: str, title: str) -> None:
     """One run's figure (``p2p-diloco plot`` of its learners' audit logs) at OUT with the run's name added."""
-    from p2p_diloco.plot import PlotError, plot
+    from p2p_diloco.ops.plot import PlotError, plot
 
     path = out.with_name(f"{out.stem}-{run}{out.suffix or '.png'}")
     try:

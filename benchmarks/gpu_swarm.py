@@ -1,12 +1,12 @@
 """GPU swarm: 2 learners with ``run.device=cuda`` and bf16 autocast, reporting tokens/s, MFU and the final hash.
 
 A bootstrap node and the learners run on loopback through ``p2p-diloco swarm``'s own supervisor
-(:func:`p2p_diloco.local_swarm.run_swarm`), each learner a real ``p2p-diloco learner`` process. Every
+(:func:`p2p_diloco.sim.local_swarm.run_swarm`), each learner a real ``p2p-diloco learner`` process. Every
 learner uses the current CUDA device, so on a one-GPU machine they share it: the total tokens/s is
 the GPU's, and the MFU of the GPU is the sum of the learners'. Figures come from the learners'
 ``--summary`` JSON: tokens/s over the training loop's wall time (rounds, evals and checkpoints
 included) and over the inner steps alone; MFU = 6·N·tokens/s ÷ the GPU's dense bf16 peak
-(:data:`p2p_diloco.trainer.PEAK_BF16_FLOPS`; "unknown" for a GPU not in that table).
+(:data:`p2p_diloco.train.trainer.PEAK_BF16_FLOPS`; "unknown" for a GPU not in that table).
 
 Usage::
 
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the swarm, print the figures; the exit code is the swarm's (0: every learner ended on one state)."""
     args = parse_args(argv)
     require_cuda()
-    from p2p_diloco.local_swarm import SwarmOptions, read_summaries
-    from p2p_diloco.local_swarm import main as run_swarm
+    from p2p_diloco.sim.local_swarm import SwarmOptions, read_summaries
+    from p2p_diloco.sim.local_swarm import main as run_swarm
 
     overrides = [] if args.no_model_overrides else list(MODEL)
     overrides += ["run.device=cuda", f"run.precision={args.precision}", *args.overrides]

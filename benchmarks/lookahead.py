@@ -25,13 +25,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.checkpoint import load_checkpoint  # noqa: E402
-from p2p_diloco.data import fixed_eval_batches, load_splits  # noqa: E402
-from p2p_diloco.export import global_model  # noqa: E402
-from p2p_diloco.fragments import build_fragments  # noqa: E402
-from p2p_diloco.learner_state import LearnerState  # noqa: E402
-from p2p_diloco.models import embedding_names, named_shapes  # noqa: E402
-from p2p_diloco.outer import GlobalState, load_into_module  # noqa: E402
+from p2p_diloco.core.fragments import build_fragments  # noqa: E402
+from p2p_diloco.core.outer import GlobalState, load_into_module  # noqa: E402
+from p2p_diloco.learner.state import LearnerState  # noqa: E402
+from p2p_diloco.ops.export import global_model  # noqa: E402
+from p2p_diloco.train.checkpoint import load_checkpoint  # noqa: E402
+from p2p_diloco.train.data.batches import fixed_eval_batches, load_splits  # noqa: E402
+from p2p_diloco.train.models.registry import embedding_names, named_shapes  # noqa: E402
 
 
 def lookahead_losses(directory: Path, eval_batches: int) -> dict:

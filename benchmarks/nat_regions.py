@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan.run import FAST  # noqa: E402  (the same fast round settings as the WAN benchmark)
 
-from p2p_diloco.processes import cli  # noqa: E402
+from p2p_diloco.sim.processes import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILED_LOGS = ROOT / "runs" / "nat-bench"
@@ -64,7 +64,7 @@ nat = {nat}
 
 ROUND = re.compile(r"^\s*(\S+) \| .*outer round committed \| version (\d+) .*group (\d+) .*allreduce ([\d.]+)s "
                    r"round ([\d.]+)s sent ([\d.]+) MB")
-# The learner's start-up line on how peers reach it (p2p_diloco.reach): direct, relay or client only.
+# The learner's start-up line on how peers reach it (p2p_diloco.net.reach): direct, relay or client only.
 REACH = re.compile(r"^\s*(\S+) \| .*reachable[^|]*?: (direct|relay|client only)\b")
 
 

@@ -1,7 +1,7 @@
 """Poisoning: what one malicious or broken member does to three honest learners, with each defence.
 
 Each run is a real swarm on loopback: a bootstrap node, three honest learners and, except in the
-clean runs, a fourth learner that carries out one attack from round 2 on (p2p_diloco/faults.py):
+clean runs, a fourth learner that carries out one attack from round 2 on (p2p_diloco/sim/faults.py):
 
 =========  ======================================================================================
 nan        its outer gradients are NaN (training that diverged)
@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import add_plot_argument, draw  # noqa: E402
 
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")

@@ -1,5 +1,5 @@
 """What checking signed DHT records costs: hivemind's ``RSASignatureValidator`` against
-:class:`p2p_diloco.signed_records.CheckedOnce`, on the same records, side by side.
+:class:`p2p_diloco.trust.signed_records.CheckedOnce`, on the same records, side by side.
 
 A DHT search returns a key's whole dictionary value: with M learners, M signed progress records (or
 M declared groupmates), from each peer asked and at every poll. This times validating such a value
@@ -21,8 +21,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco.records import ProgressRecord
-from p2p_diloco.signed_records import CheckedOnce, owner_marker
+from p2p_diloco.net.progress_records import ProgressRecord
+from p2p_diloco.trust.signed_records import CheckedOnce, owner_marker
 
 
 def signed_records(learners: int) -> list[DHTRecord]:

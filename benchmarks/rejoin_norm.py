@@ -1,6 +1,6 @@
 """A learner that joins a run in progress: its first outer gradient per inner step against the swarm's.
 
-The outlier rule (p2p_diloco/exclusion.py) leaves out a contribution whose norm per √(inner steps) (per
+The outlier rule (p2p_diloco/core/exclusion.py) leaves out a contribution whose norm per √(inner steps) (per
 inner step before 2026-12-05) is above ``averaging.norm_outlier_factor`` (8) times the median of the
 others'. A learner that joins with a fresh AdamW takes Adam's first, sign-like steps at the swarm's lr;
 meeting a round after one step, it was left out (then banned for 3 rounds) in the chaos benchmark at M =
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from p2p_diloco.config import load_learner_config  # noqa: E402
-from p2p_diloco.startup import build, load_data, refuse_bad_input  # noqa: E402
+from p2p_diloco.learner.startup import build, load_data, refuse_bad_input  # noqa: E402
 
 # The model and schedule of benchmarks/chaos.py's learners (its decoupled mode: 2 fragments).
 CHAOS = ["model.n_embd=128", "inner.steps_per_outer=60", "sync.fragments=2", "run.threads=1"]

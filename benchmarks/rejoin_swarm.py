@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from chaos import COMMON, DECOUPLED, SMALL  # noqa: E402
 
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs  # noqa: E402
 
 ROUND = re.compile(r"outer round (not )?committed")
 

@@ -11,7 +11,7 @@ processes, p2pd) is sampled every ``--sample-seconds``. Afterwards their audit l
 - **matchmaking** and **round** time of each committed round as its members logged them (matchmaking
   = round − all-reduce − certificate: from the round's start until its group had formed and agreed);
 - **DHT** calls (made and served) and protobuf bytes (out and in) per learner per version, from the
-  DHT process's own counts (p2p_diloco/traffic.py);
+  DHT process's own counts (p2p_diloco/net/traffic.py);
 - **one state per fragment version** at the end (the swarm command's check).
 
     python benchmarks/scale_swarm.py --learners 4 8 16 --outer-steps 6 --extra-step-seconds 0.1 \\
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import psutil
 
-from p2p_diloco.audit import parse_line
-from p2p_diloco.local_swarm import fragment_states, read_summaries
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
-from p2p_diloco.traffic import totals
+from p2p_diloco.learner.audit import parse_line
+from p2p_diloco.net.traffic import totals
+from p2p_diloco.sim.local_swarm import fragment_states, read_summaries
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")

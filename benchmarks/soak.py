@@ -31,8 +31,8 @@ from pathlib import Path
 
 import psutil
 
-from p2p_diloco.local_swarm import fragment_states, read_summaries
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
+from p2p_diloco.sim.local_swarm import fragment_states, read_summaries
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap, stop_procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")

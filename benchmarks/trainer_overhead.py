@@ -1,7 +1,7 @@
 """Overhead of the trainer: a learner's tokens/s against a bare PyTorch loop on the same work.
 
 Both sides train the same model (the config's, from the run seed), on the same data shard (read and tokenised
-as a learner does, :func:`p2p_diloco.startup.load_data`), with the same batch size, seq_len, device and seed,
+as a learner does, :func:`p2p_diloco.learner.startup.load_data`), with the same batch size, seq_len, device and seed,
 with one torch thread (``run.threads=1``), for the same number of inner steps:
 
 - **bare**: a plain loop in a fresh process: next batch, forward, ``zero_grad``, backward, clip to
@@ -87,10 +87,10 @@ def bare_worker(args: argparse.Namespace) -> int:
     import torch
 
     from p2p_diloco.config import load_learner_config
-    from p2p_diloco.models import build_model
-    from p2p_diloco.startup import load_data
-    from p2p_diloco.tokenizer import load_tokenizer
-    from p2p_diloco.trainer import resolve_device
+    from p2p_diloco.learner.startup import load_data
+    from p2p_diloco.train.data.tokenizer import load_tokenizer
+    from p2p_diloco.train.models.registry import build_model
+    from p2p_diloco.train.trainer import resolve_device
 
     cfg = load_learner_config(args.config, args.overrides)
     torch.set_num_threads(cfg.run.threads)
@@ -140,7 +140,7 @@ def run_bare(args: argparse.Namespace, config: str, sets: list[str], steps: int,
 def run_learner(args: argparse.Namespace, config: str, sets: list[str], outer_steps: int, d: Path) -> dict:
     """One learner alone until version ``outer_steps``. Alone, every round must commit: the first one that
     does not (or ``--timeout``) ends the run with an error instead of a learner that never gets there."""
-    from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, processes_in_group, stop_procs
+    from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, processes_in_group, stop_procs
 
     d.mkdir(parents=True, exist_ok=True)
     proc = Proc("learner", cli(

@@ -1,6 +1,6 @@
 """A learner's inner step against a bare PyTorch step, in one process, so that the machine's load hits both.
 
-Builds a learner's ``Trainer`` (:func:`p2p_diloco.startup.build`) and a bare copy of the same model with
+Builds a learner's ``Trainer`` (:func:`p2p_diloco.learner.startup.build`) and a bare copy of the same model with
 ``torch.optim.AdamW`` at the learner's inner hyperparameters, then alternates blocks of 50 steps of each
 on the same 50 random batches (the order flips every block). Prints the seconds of each side and
 ``trainer/bare time``: the compute-only factor of ``trainer_overhead.py``'s whole-loop ratio, measured
@@ -18,8 +18,8 @@ import time
 import torch
 
 from p2p_diloco.config import load_learner_config
-from p2p_diloco.models import build_model
-from p2p_diloco.startup import build
+from p2p_diloco.learner.startup import build
+from p2p_diloco.train.models.registry import build_model
 
 
 def main(config: str, blocks: int) -> None:

@@ -5,7 +5,7 @@ and the figures are the unit's own), on the same model, config, shard and seed, 
 of outer steps: first ``p2p-diloco learner`` (1 worker), then ``torchrun --nproc-per-node N -m
 p2p_diloco learner`` (N workers, DDP over gloo on the CPU, or nccl on GPUs with ``--set
 run.device=cuda``; with ``--sharding fsdp`` the model is sharded over them instead, FSDP2, and rank 0
-keeps a host copy of θ, p2p_diloco/sharding.py). The runs take turns, so they do not share the
+keeps a host copy of θ, p2p_diloco/train/sharding.py). The runs take turns, so they do not share the
 cores. Throughput is the summary's ``tokens_per_second``: the unit's tokens (all workers') over its
 training wall time, rounds, evals and checkpoints included, as a user sees it. Beside each unit, the
 same inner steps in a bare loop
@@ -88,10 +88,10 @@ def bare_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from p2p_diloco.config import load_learner_config
-    from p2p_diloco.sharding import ShardedModel
-    from p2p_diloco.startup import build, load_data
-    from p2p_diloco.tokenizer import load_tokenizer
-    from p2p_diloco.unit import part_of_shard
+    from p2p_diloco.learner.startup import build, load_data
+    from p2p_diloco.learner.unit.group import part_of_shard
+    from p2p_diloco.train.data.tokenizer import load_tokenizer
+    from p2p_diloco.train.sharding import ShardedModel
 
     cfg = load_learner_config(args.config, [f"inner.steps_per_outer={args.steps_per_outer}", "data.num_shards=4",
                                             f"run.sharding={args.sharding}", *args.overrides])

@@ -55,9 +55,9 @@ EOF
     echo "gateway: region $REGION behind NAT: $NAT_SUBNET leaves as $BACKBONE_ADDR, no new connection comes in"
 fi
 
-python -m p2p_diloco.regions.shape --dev "$wan" --rate "$WAN_BANDWIDTH" \
+python -m p2p_diloco.sim.regions.shape --dev "$wan" --rate "$WAN_BANDWIDTH" \
     --delay-ms "${WAN_DELAY_MS:-0}" --loss-pct "${WAN_LOSS_PCT:-0}"
-python -m p2p_diloco.regions.shape --dev "$lan" --rate "$WAN_BANDWIDTH" --delay-ms "${WAN_DELAY_MS:-0}"
+python -m p2p_diloco.sim.regions.shape --dev "$lan" --rate "$WAN_BANDWIDTH" --delay-ms "${WAN_DELAY_MS:-0}"
 touch /tmp/wan-ready
 echo "gateway: region $REGION up; WAN link $WAN_BANDWIDTH via $wan, region side $lan"
 

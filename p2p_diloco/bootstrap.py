@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from p2p_diloco.config import config_error, read_toml
 
 if TYPE_CHECKING:  # lifecycle imports hivemind: loaded only when a node starts
-    from p2p_diloco.lifecycle import LinkedDHT
+    from p2p_diloco.net.dht import LinkedDHT
 
 logger = logging.getLogger("p2p_diloco.bootstrap")
 
@@ -39,7 +39,7 @@ class BootstrapConfig(BaseModel):
     announce_maddrs: list[str] = Field(default_factory=list)
     initial_peers: list[str] = Field(default_factory=list)
     identity_path: str = "bootstrap/identity.key"
-    allowed_peers: str | None = None  # a private swarm's allow-list (p2p_diloco.admission); it must name this node
+    allowed_peers: str | None = None  # a private swarm's allow-list (trust.admission); it must name this node
     maddrs_file: str | None = None
     refresh_period: float = Field(30.0, gt=0.0)
     startup_timeout: float = Field(60.0, gt=0.0)
@@ -102,9 +102,9 @@ def _routing_table_size(dht: LinkedDHT) -> int:
 def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
     """Start the node's DHT (on the main thread) with its identity file and allow-list; LearnerError (or
     ConfigError for a bad allow-list) if it cannot."""
-    from p2p_diloco.admission import Admission, admit_self, peer_id_of
-    from p2p_diloco.lifecycle import start_dht
-    from p2p_diloco.signed_records import IdentityKey
+    from p2p_diloco.net.dht import start_dht
+    from p2p_diloco.trust.admission import Admission, admit_self, peer_id_of
+    from p2p_diloco.trust.signed_records import IdentityKey
 
     admission = Admission.from_file(cfg.allowed_peers)
     Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +119,7 @@ def start_bootstrap_dht(cfg: BootstrapConfig) -> LinkedDHT:
 
 def run_bootstrap(cfg: BootstrapConfig) -> None:
     """Run a bootstrap node until SIGINT or SIGTERM; it answers learners' reachability questions."""
-    from p2p_diloco.reach import serve_checks
+    from p2p_diloco.net.reach import serve_checks
 
     dht = start_bootstrap_dht(cfg)
     serve_checks(dht)

@@ -22,8 +22,8 @@ from p2p_diloco.config import ConfigError, LearnerConfig, load_learner_config
 from p2p_diloco.errors import UserError
 
 if TYPE_CHECKING:
-    from p2p_diloco.faults import FaultPlan
-    from p2p_diloco.leader import Leader
+    from p2p_diloco.learner.unit.rank0 import Leader
+    from p2p_diloco.sim.faults import FaultPlan
 
 EXIT_USAGE = 2
 
@@ -67,7 +67,7 @@ def _add_learner_parser(sub: argparse._SubParsersAction) -> None:
                                                      "(default: off)")
     ln.add_argument("--seed", type=int, help="model init and sampling seed (same for the whole swarm)")
     ln.add_argument("--fault", help="fault injection for tests, e.g. 'kill at round 3 during reduce' "
-                                    "(';' separates several; see p2p_diloco/faults.py)")
+                                    "(';' separates several; see p2p_diloco/sim/faults.py)")
     ln.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="override any config field, e.g. --set inner.lr=3e-4 (repeatable)")
 
@@ -182,14 +182,14 @@ def _configure_logging(level: str, fmt: str = "text") -> None:
 
 def _run_learner(args: argparse.Namespace) -> int:
     cfg = load_learner_config(args.config, _learner_overrides(args))
-    from p2p_diloco.faults import FaultPlan, FaultPlanError
+    from p2p_diloco.sim.faults import FaultPlan, FaultPlanError
 
     try:
         faults = FaultPlan.parse(args.fault)
     except FaultPlanError as e:
         raise ConfigError(str(e)) from None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one worker of a learner unit
-        from p2p_diloco.unit_launch import run_unit
+        from p2p_diloco.learner.unit.launch import run_unit
 
         return run_unit(cfg, lambda leader: _learn(cfg, faults, leader))
     return _learn(cfg, faults, None)
@@ -197,10 +197,10 @@ def _run_learner(args: argparse.Namespace) -> int:
 
 def _learn(cfg: LearnerConfig, faults: FaultPlan, unit: Leader | None) -> int:
     """Train as a learner (of one worker, or rank 0 of a unit) until done or signalled; write the summary."""
-    from p2p_diloco import lazy_imports
+    from p2p_diloco.net import lazy_imports
 
     lazy_imports.defer_all()  # before hivemind: what it imports and we never use costs every (re)start
-    from p2p_diloco.learner import Learner, write_summary  # torch and hivemind: only once the input is good
+    from p2p_diloco.learner.loop import Learner, write_summary  # torch and hivemind: only once the input is good
 
     if faults:
         # Faults act on the learner's process group (hang) and reach its forked children through this.
@@ -263,8 +263,8 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _run_swarm(args: argparse.Namespace) -> int:
-    from p2p_diloco.local_swarm import SwarmOptions
-    from p2p_diloco.local_swarm import main as swarm_main
+    from p2p_diloco.sim.local_swarm import SwarmOptions
+    from p2p_diloco.sim.local_swarm import main as swarm_main
 
     if args.learners < 1:
         raise ConfigError("--learners must be at least 1")
@@ -275,21 +275,21 @@ def _run_swarm(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from p2p_diloco.export import export  # torch (and transformers for HF models): only when exporting
+    from p2p_diloco.ops.export import export  # torch (and transformers for HF models): only when exporting
 
     export(args.checkpoint_dir, args.out)
     return 0
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from p2p_diloco.plot import plot  # matplotlib: only when plotting
+    from p2p_diloco.ops.plot import plot  # matplotlib: only when plotting
 
     print(plot(args.run_dirs, args.out))
     return 0
 
 
 def _run_peer_id(args: argparse.Namespace) -> int:
-    from p2p_diloco.admission import peer_id_of  # hivemind: only to read or make the key
+    from p2p_diloco.trust.admission import peer_id_of  # hivemind: only to read or make the key
 
     path = Path(args.checkpoint_dir) / "identity.key" if args.checkpoint_dir else Path(args.identity)
     print(peer_id_of(path))
@@ -297,20 +297,20 @@ def _run_peer_id(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from p2p_diloco.status import run_status  # hivemind and rich: only when asked
+    from p2p_diloco.ops.status import run_status  # hivemind and rich: only when asked
 
     return run_status(args.initial_peers, args.run_id, watch=args.watch, as_json=args.json,
                       interval=args.interval, identity=args.identity)
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from p2p_diloco.audit_verify import main as verify_main  # hivemind's crypto: only to check signatures
+    from p2p_diloco.ops.audit_verify import main as verify_main  # hivemind's crypto: only to check signatures
 
     return verify_main(args.dirs, strict=args.strict)
 
 
 def _run_regions(args: argparse.Namespace) -> int:
-    from p2p_diloco.regions.command import run_regions_command
+    from p2p_diloco.sim.regions.command import run_regions_command
 
     return run_regions_command(args)
 

@@ -34,7 +34,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The model: the built-in byte-level GPT (:mod:`p2p_diloco.model`; ``n_layer``, ``n_head``,
+    """The model: the built-in byte-level GPT (:mod:`p2p_diloco.train.models.gpt`; ``n_layer``, ``n_head``,
     ``n_embd``), or a Hugging Face causal LM from ``path``. ``seq_len`` is the training context of both."""
 
     n_layer: int = Field(2, ge=1, le=64)
@@ -133,7 +133,7 @@ class OuterConfig(_Section):
 
 
 class ContributionLimits(NamedTuple):
-    """What bounds one contribution's weight (p2p_diloco/exclusion.py): the most tokens an inner step of any
+    """What bounds one contribution's weight (p2p_diloco/core/exclusion.py): the most tokens an inner step of any
     learner holds (None: the group's lower median of what its members' steps hold), H, and the weighting rule."""
 
     tokens_per_step: int | None
@@ -164,7 +164,7 @@ class AveragingConfig(_Section):
     max_delta_norm: float = Field(1e4, gt=0.0, description="reject averaged outer gradients above this norm")
     norm_outlier_factor: float = Field(
         8.0, ge=0.0, description="leave out of a round a contribution whose norm is above this many times the median "
-                                 "of the other contributions' norms (p2p_diloco/exclusion.py); 0 disables")
+                                 "of the other contributions' norms (p2p_diloco/core/exclusion.py); 0 disables")
     max_contribution_norm: float | None = Field(
         None, gt=0.0, description="clip each contribution to this norm before it is averaged; None = no clipping")
     ban_rounds: int = Field(3, ge=0, le=1000, description="how many of this learner's next rounds it bans a peer "
@@ -173,11 +173,11 @@ class AveragingConfig(_Section):
     aggregator: Literal["mean", "median", "trimmed_mean"] = Field(
         "mean", description="how reducers combine the contributions to their shard: the token-weighted mean, or a "
                             "robust coordinate-wise median / trimmed mean that ignores self-reported weights "
-                            "(p2p_diloco/aggregators.py)")
+                            "(p2p_diloco/core/aggregators.py)")
     verify_reducers: bool = Field(
         True, description="before signing a round, check every shard against what its senders sent (random "
                           "projections under the mean; spot values and a norm bound under every aggregator; "
-                          "p2p_diloco/shard_sketches.py): a reducer that returns a chosen shard fails the round "
+                          "p2p_diloco/core/shard_sketches.py): a reducer that returns a chosen shard fails the round "
                           "instead of being committed; needs every contributor's sketch")
     certify_timeout: float = Field(
         10.0, gt=0.0, description="after the all-reduce, how long a round waits for the signatures of at least K "
@@ -186,7 +186,7 @@ class AveragingConfig(_Section):
     max_tokens_per_step: int | None = Field(
         None, ge=1, lt=2**40, description="the most tokens one inner step of any learner of the swarm holds: a "
                                           "contribution's weight counts at most its inner steps times this many "
-                                          "tokens (p2p_diloco/exclusion.py). None: in each round, the lower median "
+                                          "tokens (core/exclusion.py). None: in each round, the lower median "
                                           "of what one step of each member holds (batch_size · seq_len · workers); "
                                           "a swarm whose learner units or batches differ sets its largest, the "
                                           "same on every learner")
@@ -228,7 +228,7 @@ class SyncConfig(_Section):
         "fixed", description="fixed: period_seconds and overlap_steps as set. auto (clock schedule): the learners "
                              "agree on the period through their records from their measured step and round times, "
                              "and each sets τ to cover its expected round, at most overlap_steps when that is "
-                             "above 0 (p2p_diloco/pace.py, docs/design.md \"Pace from measurements\")")
+                             "above 0 (p2p_diloco/core/pace.py, docs/design.md \"Pace from measurements\")")
     max_wait_seconds: float | None = Field(
         30.0, gt=0.0, description="with overlap (τ > 0): how long a learner waits at τ for a round that has not ended "
                                   "before it trains on; the round's result is applied when it ends. None = wait for it"
@@ -295,7 +295,7 @@ class RunConfig(_Section):
                                   "leaves at once)")
     log_every: int = Field(10, ge=1, description="inner steps between progress lines")
     audit_sign_every: int = Field(
-        20, ge=1, le=10_000, description="audit.jsonl (p2p_diloco/audit.py): sign the chain head with the identity "
+        20, ge=1, le=10_000, description="audit.jsonl (learner/audit.py): sign the chain head with the identity "
                                          "key after this many lines (and at exit)")
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve Prometheus metrics on this port (all interfaces: 0.0.0.0); None: off")

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.config import DataConfig  # noqa: E402  (needs the path above when run as a script)
-from p2p_diloco.corpus import open_corpus, split_of  # noqa: E402
+from p2p_diloco.train.data.corpus import open_corpus, split_of  # noqa: E402
 
 VOCAB_SIZE = 4096
 SPECIAL = "<|endoftext|>"

@@ -62,11 +62,11 @@ sys.path.insert(0, str(ROOT))
 
 from run import two_region_topology  # noqa: E402  (benchmarks/wan/run.py, beside this script)
 
-from p2p_diloco.local_swarm import lineage_verdict  # noqa: E402
-from p2p_diloco.processes import Proc, child_env, cli  # noqa: E402
-from p2p_diloco.regions import netns  # noqa: E402
-from p2p_diloco.regions.netns import Fabric, Host  # noqa: E402
-from p2p_diloco.regions.topology import Topology, rate_bits_per_second  # noqa: E402
+from p2p_diloco.sim.local_swarm import lineage_verdict  # noqa: E402
+from p2p_diloco.sim.processes import Proc, child_env, cli  # noqa: E402
+from p2p_diloco.sim.regions import netns  # noqa: E402
+from p2p_diloco.sim.regions.netns import Fabric, Host  # noqa: E402
+from p2p_diloco.sim.regions.topology import Topology, rate_bits_per_second  # noqa: E402
 
 CONFIG = ROOT / "peers" / "small-cpu.toml"
 RESULTS = ROOT / "benchmarks" / "results" / "wan_dp_vs_learners.json"
@@ -180,7 +180,7 @@ def _seconds_since(launched: datetime, hhmmss: str) -> float:
 
 
 # sync.pace = auto (--pace auto): one configuration for every link. The clock's period and τ follow the
-# learners' measurements (p2p_diloco/pace.py), starting from the default 60 s (a period that starts short
+# learners' measurements (p2p_diloco/core/pace.py), starting from the default 60 s (a period that starts short
 # piles rounds up on a slow link before the first round is measured: at 2 Mbit/s from 20 s, one learner fell
 # behind in the first minute and spent the run downloading); the default majority quorum (3 of 4), so that
 # the region-local pairs never commit one version twice.

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dp_step import data_parallel_step, evaluate, setup_rank  # noqa: E402
 
 from p2p_diloco.config import load_learner_config  # noqa: E402
-from p2p_diloco.lr_schedule import inner_lr  # noqa: E402
+from p2p_diloco.core.lr_schedule import inner_lr  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2p_diloco.processes import cli
-from p2p_diloco.regions.topology import rate_bits_per_second
+from p2p_diloco.sim.processes import cli
+from p2p_diloco.sim.regions.topology import rate_bits_per_second
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "wan_bench.json"

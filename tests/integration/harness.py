@@ -1,6 +1,6 @@
 """A loopback swarm for integration tests: a bootstrap node and learners, none outliving its test.
 
-Starting, watching and stopping the processes is :mod:`p2p_diloco.processes`; this module holds only
+Starting, watching and stopping the processes is :mod:`p2p_diloco.sim.processes`; this module holds only
 the tests' own settings and bookkeeping.
 """
 
@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")

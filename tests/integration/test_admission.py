@@ -21,17 +21,15 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.admission import Admission, peer_id_of
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.hivemind_averaging import HivemindAveraging, averaging_prefix, download_priority_key, group_key
-from p2p_diloco.lifecycle import start_dht
-from p2p_diloco.records import ProgressBoard, ProgressRecord, progress_key
-from p2p_diloco.signed_matchmaking import SignedGroupKeyManager, declared
-from p2p_diloco.signed_records import IdentityKey, owner_marker, peer_id_of_owner
+from p2p_diloco.net.averaging import HivemindAveraging, averaging_prefix, download_priority_key, group_key
+from p2p_diloco.net.dht import start_dht
+from p2p_diloco.net.progress_records import ProgressBoard, ProgressRecord, progress_key
+from p2p_diloco.trust.admission import Admission, peer_id_of
+from p2p_diloco.trust.signed_matchmaking import SignedGroupKeyManager, declared
+from p2p_diloco.trust.signed_records import IdentityKey, owner_marker, peer_id_of_owner
 
 from .test_swarm import _assert_one_lineage
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(300)

@@ -7,9 +7,7 @@ import sys
 
 import pytest
 
-from p2p_diloco.audit import FILENAME
-
-pytestmark = pytest.mark.integration
+from p2p_diloco.learner.audit import FILENAME
 
 TARGET = 6  # long enough for the killed learner to come back before the others finish
 

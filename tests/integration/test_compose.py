@@ -27,8 +27,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 IMAGE = "p2p-diloco:latest"

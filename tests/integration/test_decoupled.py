@@ -6,12 +6,10 @@ import signal
 import pytest
 import torch
 
-from p2p_diloco.processes import wait_until
+from p2p_diloco.sim.processes import wait_until
 
 from .harness import committed_version
 from .test_swarm import _assert_one_lineage
-
-pytestmark = pytest.mark.integration
 
 DECOUPLED = ["--set", "sync.fragments=4", "--set", "sync.overlap_steps=2", "--set", "inner.steps_per_outer=24",
              "--set", "averaging.compression=int4"]

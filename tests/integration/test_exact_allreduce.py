@@ -12,14 +12,12 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco import hivemind_averaging as averaging
-from p2p_diloco.averaging import RoundFailed
-from p2p_diloco.codecs import get_codec
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.hivemind_averaging import HivemindAveraging, group_key
-from p2p_diloco.outer import weighted_mean
-
-pytestmark = pytest.mark.integration
+from p2p_diloco.core.averaging_api import RoundFailed
+from p2p_diloco.core.outer import weighted_mean
+from p2p_diloco.net import averaging
+from p2p_diloco.net.averaging import HivemindAveraging, group_key
+from p2p_diloco.net.codecs import get_codec
 
 # "none" is exact up to the order in which a reducer happens to sum its inputs.
 TOLERANCE = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2, "int8": 0.05, "int4": 0.8}

@@ -1,6 +1,6 @@
 """A learner dies or freezes at every stage of its life; the others carry on with one lineage.
 
-Each case is one line of the fault plan (p2p_diloco/faults.py) given to learner 2.
+Each case is one line of the fault plan (p2p_diloco/sim/faults.py) given to learner 2.
 """
 
 import os
@@ -10,13 +10,11 @@ import signal
 import psutil
 import pytest
 
-from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.processes import processes_in_group, wait_until
+from p2p_diloco.sim.processes import processes_in_group, wait_until
+from p2p_diloco.train.checkpoint import load_checkpoint
 
 from .harness import committed_version, eval_losses
 from .test_swarm import _assert_one_lineage
-
-pytestmark = pytest.mark.integration
 
 TARGET = 4
 

@@ -1,7 +1,7 @@
 """A hostile peer on the wire: every malformed part and reply of the trust issue's list, over real p2pd.
 
 Three hivemind averagers in one process; member 2 sends each outer-gradient part and returns each
-averaged shard malformed, one kind per round (``malform at round R with KIND``, p2p_diloco/malformed.py).
+averaged shard malformed, one kind per round (``malform at round R with KIND``, p2p_diloco/sim/malformed.py).
 The honest members refuse every one: the round fails (an all-reduce with a refused part cannot
 complete) and names the hostile peer, never an honest one, so that learners ban it from their next
 rounds; no member takes a non-finite or unbounded value, their averager processes neither die nor
@@ -15,13 +15,11 @@ import psutil
 import pytest
 import torch
 
-from p2p_diloco.averaging import RoundFailed
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import FaultPlan
-from p2p_diloco.hivemind_averaging import HivemindAveraging
-from p2p_diloco.malformed import KINDS
-
-pytestmark = pytest.mark.integration
+from p2p_diloco.core.averaging_api import RoundFailed
+from p2p_diloco.net.averaging import HivemindAveraging
+from p2p_diloco.sim.faults import FaultPlan
+from p2p_diloco.sim.malformed import KINDS
 
 
 def _round(members, deltas, weights, version):

@@ -3,7 +3,7 @@
 Real learners over real p2pd daemons. The liar is a member of the swarm (it contributes honest outer
 gradients to rounds); from round 2 on it either signs progress records claiming 1,000 versions more
 than it holds, or serves a state whose Θ is poisoned, 3 versions ahead, with a history that lists the
-states its victims hold (``lie at round 2 with ahead|state``, p2p_diloco/faults.py). The honest
+states its victims hold (``lie at round 2 with ahead|state``, p2p_diloco/sim/faults.py). The honest
 learners must keep committing, end on one state, never take the poisoned one, and say why.
 """
 
@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.admission import peer_id_of
-from p2p_diloco.audit import FILENAME
+from p2p_diloco.learner.audit import FILENAME
+from p2p_diloco.trust.admission import peer_id_of
 
 from .test_swarm import _assert_one_lineage
-
-pytestmark = pytest.mark.integration
 
 TARGET = 5
 
@@ -75,7 +73,7 @@ def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_
 @pytest.mark.timeout(300)
 def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_as_its_steps_allow(swarm):
     """The default token-weighted mean: the liar's weight of 1e15 is recomputed from its tokens and steps
-    (p2p_diloco/exclusion.py), so its sign-flipped outer gradient counts like one honest learner's and the
+    (p2p_diloco/core/exclusion.py), so its sign-flipped outer gradient counts like one honest learner's and the
     three honest ones outweigh it. Unbounded, the same run ended at eval loss 32.0 (docs/security.md)."""
     liar_id, texts = _three_honest_and_one(swarm, "poison at round 2 with flip; lie at round 2 with weight")
     groups = [int(n) for t in texts for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", t)]
@@ -88,7 +86,7 @@ def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_
 def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm):
     """From round 2 on the liar returns the shard it reduces scaled by −50, to everyone alike: every member
     would commit the same poisoned state, and the commit certificate would hold. The members' sketches
-    (p2p_diloco/shard_sketches.py) catch it before anyone signs; they ban the reducer and commit without it.
+    (p2p_diloco/core/shard_sketches.py) catch it before anyone signs; they ban the reducer and commit without it.
     (Under the median, tests/integration/test_reducer_check.py; a swarm: benchmarks/poisoning.py.)"""
     liar_id, texts = _three_honest_and_one(swarm, "lie at round 2 with shard")
     caught = [t for t in texts if f"not signing the round: the shard reduced by {liar_id[-6:]} does not match" in t]

@@ -11,11 +11,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2p_diloco.processes import wait_until
+from p2p_diloco.sim.processes import wait_until
 
 from .harness import ROOT, committed_version
-
-pytestmark = pytest.mark.integration
 
 
 def _free_port() -> int:

@@ -1,7 +1,7 @@
 """Learners peers cannot dial (behind NAT, or told to be clients) still train with the swarm.
 
 On loopback a learner that announces an address which is not its own stands for one behind NAT: its
-questions come from 127.0.0.1, so peers answering the reachability check (p2p_diloco/reach.py) refuse
+questions come from 127.0.0.1, so peers answering the reachability check (p2p_diloco/net/reach.py) refuse
 to dial the announced address, and with ``network.client_mode=auto`` it runs as a client. The namespace
 simulator's NAT'd region (test_regions.py) checks the same behind a real masquerading gateway.
 """
@@ -11,12 +11,10 @@ import signal
 
 import pytest
 
-from p2p_diloco.processes import wait_until
+from p2p_diloco.sim.processes import wait_until
 
 from .harness import committed_version
 from .test_swarm import _assert_one_lineage
-
-pytestmark = pytest.mark.integration
 
 TARGET = 4
 

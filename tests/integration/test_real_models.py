@@ -48,7 +48,7 @@ def test_three_learners_train_a_llama_on_jsonl_then_export_it(swarm, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     from transformers import AutoModelForCausalLM
 
-    from p2p_diloco.export import global_model
+    from p2p_diloco.ops.export import global_model
 
     exported = AutoModelForCausalLM.from_pretrained(out)
     _, theta = global_model(tmp_path / "ckpt-0")

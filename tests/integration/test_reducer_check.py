@@ -2,8 +2,8 @@
 under the mean (projections) and the median (spot values and the norm bound).
 
 Three averagers in one process run two rounds; from the second on, member 2 returns the shard it
-reduces scaled by −50 (``lie at round 5 with shard``, p2p_diloco/faults.py). Every member's sketch
-(p2p_diloco/shard_sketches.py) is checked against the others', as the commit board does before signing.
+reduces scaled by −50 (``lie at round 5 with shard``, p2p_diloco/sim/faults.py). Every member's sketch
+(p2p_diloco/core/shard_sketches.py) is checked against the others', as the commit board does before signing.
 """
 
 import threading
@@ -12,13 +12,11 @@ import hivemind
 import pytest
 import torch
 
-from p2p_diloco import shard_sketches
-from p2p_diloco.averaging import RoundFailed
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import FaultPlan
-from p2p_diloco.hivemind_averaging import HivemindAveraging
-
-pytestmark = pytest.mark.integration
+from p2p_diloco.core import shard_sketches
+from p2p_diloco.core.averaging_api import RoundFailed
+from p2p_diloco.net.averaging import HivemindAveraging
+from p2p_diloco.sim.faults import FaultPlan
 
 
 @pytest.mark.timeout(150)

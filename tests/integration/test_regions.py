@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.regions import netns
-
-pytestmark = pytest.mark.integration
+from p2p_diloco.sim.regions import netns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -277,7 +275,7 @@ def _firewalls() -> list[str]:
 @pytest.mark.parametrize("firewall", _firewalls())
 def test_a_nat_region_dials_out_but_cannot_be_dialled(tmp_path, firewall):
     """Real namespaces and TCP sockets: from `home` (NAT) out, from outside in, and a public control."""
-    from p2p_diloco.regions.topology import load_topology
+    from p2p_diloco.sim.regions.topology import load_topology
 
     if firewall == "none installed":
         pytest.skip("neither iptables nor nft is installed")

@@ -1,7 +1,7 @@
 """Robust merging with real hivemind peers: a bad contribution is left out, the others commit without it.
 
 First four averagers in one process (the all-reduce itself), then a swarm of three honest learners and
-one whose outer gradient is poisoned from round 2 on (``poison at round 2 with ...``, p2p_diloco/faults.py).
+one whose outer gradient is poisoned from round 2 on (``poison at round 2 with ...``, p2p_diloco/sim/faults.py).
 """
 
 import math
@@ -12,15 +12,13 @@ import hivemind
 import pytest
 import torch
 
-from p2p_diloco.averaging import RoundFailed
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.hivemind_averaging import HivemindAveraging
-from p2p_diloco.outer import weighted_mean
+from p2p_diloco.core.averaging_api import RoundFailed
+from p2p_diloco.core.outer import weighted_mean
+from p2p_diloco.net.averaging import HivemindAveraging
 
 from .harness import eval_losses
 from .test_swarm import _assert_one_lineage
-
-pytestmark = pytest.mark.integration
 
 TARGET = 5
 

@@ -4,11 +4,9 @@ import json
 
 import pytest
 
-from p2p_diloco.processes import wait_until
+from p2p_diloco.sim.processes import wait_until
 
 from .harness import committed_version, eval_losses
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(360)

@@ -7,12 +7,10 @@ import signal
 import pytest
 
 from p2p_diloco.config import load_learner_config
-from p2p_diloco.lr_schedule import inner_lr
-from p2p_diloco.processes import processes_in_group, wait_until
+from p2p_diloco.core.lr_schedule import inner_lr
+from p2p_diloco.sim.processes import processes_in_group, wait_until
 
 from .harness import SMALL, committed_version
-
-pytestmark = pytest.mark.integration
 
 
 def _assert_one_lineage(swarm, learners, version):

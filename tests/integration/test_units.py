@@ -18,16 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.config import ModelConfig
-from p2p_diloco.models import build_model
-from p2p_diloco.processes import LOOPBACK_ANY_PORT, Proc, processes_in_group, wait_until
-from p2p_diloco.sharding import local_part
-from p2p_diloco.unit import HASHES_ENV, params_sha256
+from p2p_diloco.learner.unit.group import HASHES_ENV, params_sha256
+from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, processes_in_group, wait_until
+from p2p_diloco.train.checkpoint import load_checkpoint
+from p2p_diloco.train.models.registry import build_model
+from p2p_diloco.train.sharding import local_part
 
 from .harness import FAST, SMALL, Swarm, committed_version
-
-pytestmark = pytest.mark.integration
 
 TOKENS_PER_STEP = 16 * 64  # peers/small-cpu.toml: inner.batch_size · model.seq_len, per worker
 

@@ -1,6 +1,6 @@
-"""An in-process stand-in for the network (the whole :class:`~p2p_diloco.averaging.Averaging` interface):
+"""An in-process stand-in for the network (the whole :class:`~p2p_diloco.core.averaging_api.Averaging` interface):
 members of one group meet at a barrier; searches and served states are what the test sets. The group
-leaves out contributions as the real one does (:func:`p2p_diloco.exclusion.judge` of what its members gathered)."""
+leaves out contributions as the real one does (:func:`p2p_diloco.core.exclusion.judge` of what its members gathered)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 
 import torch
 
-from p2p_diloco.aggregators import aggregate
-from p2p_diloco.averaging import AverageResult, RoundFailed, Served
-from p2p_diloco.exclusion import Rules, Verdict, judge
-from p2p_diloco.outer import weighted_mean
+from p2p_diloco.core.aggregators import aggregate
+from p2p_diloco.core.averaging_api import AverageResult, RoundFailed, Served
+from p2p_diloco.core.exclusion import Rules, Verdict, judge
+from p2p_diloco.core.outer import weighted_mean
 
 
 class FakeGroup:
@@ -33,10 +33,8 @@ class FakeGroup:
 
 class FakeAveraging:
     def __init__(self, group: FakeGroup | None = None, name: str = "me", fail: bool = False,
-                 searching: dict[tuple[int, int], int] | None = None, serves: dict[str | None, Served] | None = None,
-                 faults=None):
+                 searching: dict[tuple[int, int], int] | None = None, serves: dict[str | None, Served] | None = None):
         self.group, self.name, self.fail = group, name, fail
-        self.faults = faults  # a FaultPlan: rounds poison their Δ through it
         self.searching = searching or {}  # (fragment, version) → peers searching for a group there
         self.serves = serves or {}  # peer → what it serves (None: the answer to "any peer")
         self.priority: int | None = None

@@ -58,8 +58,8 @@ def test_bootstrap_config_errors_are_formatted_like_the_learners():
 
 
 def test_every_user_error_is_one_type_the_cli_catches():
-    from p2p_diloco.checkpoint import CheckpointError
-    from p2p_diloco.data import DataError
+    from p2p_diloco.train.checkpoint import CheckpointError
+    from p2p_diloco.train.data.batches import DataError
 
     for cls in (ConfigError, DataError, CheckpointError, LearnerError):
         assert issubclass(cls, UserError), cls

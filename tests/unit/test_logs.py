@@ -31,7 +31,7 @@ def test_every_project_module_gets_the_peer_prefix(handler):
     assert sum(isinstance(f, peer_log.PeerPrefix) for f in handler.filters) == 1
     peer_log.set_peer("abc123")
     peer_log.set_position(lambda: (42, 7))
-    for name in ("p2p_diloco.rounds", "p2p_diloco.records", "p2p_diloco.allreduce"):
+    for name in ("p2p_diloco.learner.schedule", "p2p_diloco.net.progress_records", "p2p_diloco.net.allreduce"):
         logging.getLogger(name).warning("value %d", 5)
     logging.getLogger("elsewhere").warning("untouched")
     messages = [r.getMessage() for r in handler.records]
@@ -39,7 +39,7 @@ def test_every_project_module_gets_the_peer_prefix(handler):
 
 
 def test_a_failed_averaging_step_traceback_goes_to_debug():
-    from p2p_diloco.hivemind_averaging import _FailedStepToDebug
+    from p2p_diloco.net.averaging import _FailedStepToDebug
 
     def record(msg, level=logging.ERROR, func="_step", exc=True):
         try:
@@ -66,10 +66,10 @@ def test_json_lines_carry_the_prefix_fields_and_the_bare_message(handler):
     peer_log.install()
     peer_log.set_peer("aB3xYz")
     peer_log.set_position(lambda: (120, 4))
-    logging.getLogger("p2p_diloco.rounds").warning("outer round committed | version %d", 5)
+    logging.getLogger("p2p_diloco.learner.schedule").warning("outer round committed | version %d", 5)
     logging.getLogger("elsewhere").warning("not ours")
     lines = [json.loads(peer_log.JsonLines().format(r)) for r in handler.records]
     assert lines[0]["peer"] == "aB3xYz" and (lines[0]["step"], lines[0]["round"]) == (120, 4)
     assert lines[0]["message"] == "outer round committed | version 5" and lines[0]["level"] == "WARNING"
-    assert lines[0]["logger"] == "p2p_diloco.rounds" and lines[0]["time"].endswith("Z")
+    assert lines[0]["logger"] == "p2p_diloco.learner.schedule" and lines[0]["time"].endswith("Z")
     assert lines[1]["message"] == "not ours" and "peer" not in lines[1]

@@ -1,0 +1,84 @@
+"""hivemind's matchmaking and download-priority keys, signed by their owner.
+
+hivemind's averager declares "I am looking for a group at this key" and "I serve state with this
+priority" under DHT subkeys holding its raw peer ID, which any peer can write in another's name: a
+forger could fill a group key with peers that never answer, or point every download at itself.
+Here both declarations are stored under this peer's owner marker (its RSA public key, as
+:mod:`p2p_diloco.trust.signed_records` does for progress records), so hivemind's ``RSASignatureValidator``
+signs them in the DHT process and every node that stores or returns them checks the signature; the
+peer a declaration speaks for is computed from the key in its subkey. A reader takes only
+owner-marked entries and ignores the rest (unsigned or from an older version).
+
+With a DHT that signs nothing (``owner`` empty: tests with a bare hivemind DHT) hivemind's peer-ID
+subkeys are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from hivemind.averaging.key_manager import GroupKey, GroupKeyManager, is_valid_group
+from hivemind.p2p import PeerID
+from hivemind.utils import DHTExpiration, get_logger
+
+from p2p_diloco.trust.signed_records import peer_id_of_owner
+
+logger = get_logger(__name__)
+
+
+def download_key(prefix: str) -> str:
+    """hivemind's "who serves state, with what priority" key of averagers with ``prefix``."""
+    return f"{prefix}.all_averagers"
+
+
+def declared(entries: object, owner: bytes) -> Iterator[tuple[PeerID, Any]]:
+    """(peer ID, entry) for each declaration in a DHT dictionary value whose subkey the peer signed.
+
+    ``owner`` empty: hivemind's own subkeys (raw peer IDs). Anything malformed is skipped.
+    """
+    if not isinstance(entries, Mapping):
+        return
+    for subkey, entry in entries.items():
+        if owner:
+            peer = peer_id_of_owner(subkey)
+        else:
+            try:
+                peer = PeerID(subkey) if isinstance(subkey, bytes) else None
+            except Exception:  # noqa: BLE001 - a malformed subkey from a peer
+                peer = None
+        if peer is not None:
+            yield peer, entry
+
+
+class SignedGroupKeyManager(GroupKeyManager):
+    """hivemind's :class:`GroupKeyManager`, declaring under this peer's owner marker and reading only
+    declarations whose subkey names (and whose signature proves) their owner."""
+
+    def __init__(self, base: GroupKeyManager, owner: bytes):  # noqa: D107 - takes over an existing manager
+        self.__dict__.update(base.__dict__)  # group bits and target size as hivemind set them
+        self.owner = owner
+
+    async def declare_averager(self, group_key: GroupKey, peer_id: PeerID, expiration_time: float,
+                               looking_for_group: bool = True) -> bool:
+        if not self.owner:
+            return await super().declare_averager(group_key, peer_id, expiration_time, looking_for_group)
+        # as hivemind does: leaving overwrites the entry with an expiration a hair later than joining's
+        expiration_time = expiration_time if looking_for_group else float(np.nextafter(expiration_time, float("inf")))
+        return await self.dht.store(key=group_key, subkey=self.owner, value=looking_for_group,
+                                    expiration_time=expiration_time, return_future=True)
+
+    async def get_averagers(self, group_key: GroupKey, only_active: bool) -> list[tuple[PeerID, DHTExpiration]]:
+        assert is_valid_group(group_key), f"group key {group_key} is invalid"
+        result = await self.dht.get(group_key, latest=True, return_future=True)
+        if result is None:
+            return []
+        found = []
+        for peer, entry in declared(result.value, self.owner):
+            looking, expiration = getattr(entry, "value", None), getattr(entry, "expiration_time", None)
+            if not isinstance(looking, bool) or not isinstance(expiration, float | int):
+                continue
+            if looking or not only_active:
+                found.append((peer, float(expiration)))
+        return found

@@ -1,0 +1,110 @@
+"""The majority quorum (``averaging.quorum = "majority"``, docs/scale.md): a round commits only with more than half
+of the learners the swarm's records show training, so two disjoint groups never both commit one version. The
+group applies the upper median of the quorums its members gathered, so a lying minority cannot move it far, and a
+member that counted too few learners cannot let a pair commit."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from p2p_diloco.config import ConfigError, load_learner_config
+from p2p_diloco.learner.progress import TRAINING_MEMORY, Progress
+from p2p_diloco.learner.startup import lineage_id
+from p2p_diloco.net.averager_process import MAX_QUORUM, group_quorum
+from p2p_diloco.net.averaging import HivemindAveraging, majority
+from p2p_diloco.net.progress_records import ProgressRecord
+
+ROOT = Path(__file__).resolve().parents[3]
+SMALL = ROOT / "peers" / "small-cpu.toml"
+
+
+def test_a_majority_is_more_than_half():
+    assert [majority(m) for m in (1, 2, 3, 4, 5, 8, 16, 1000)] == [1, 2, 2, 3, 3, 5, 9, 501]
+    for m in range(1, 200):  # two disjoint groups cannot both reach it
+        assert 2 * majority(m) > m
+
+
+def test_the_round_quorum_follows_the_learners_training():
+    cfg = load_learner_config(SMALL, ["averaging.quorum=majority", "averaging.min_group_size=2"]).averaging
+    seen = SimpleNamespace(cfg=cfg, training_learners=lambda: 16)
+    assert HivemindAveraging.round_quorum(seen) == 9
+    seen.training_learners = lambda: 2
+    assert HivemindAveraging.round_quorum(seen) == 2  # never below K
+    fixed = SimpleNamespace(cfg=load_learner_config(SMALL, ["averaging.quorum=fixed"]).averaging,
+                            training_learners=lambda: 16)
+    assert HivemindAveraging.round_quorum(fixed) == fixed.cfg.min_group_size
+
+
+def test_the_group_applies_the_upper_median_of_its_members_claims():
+    assert group_quorum([{}, {}, {}], 2) == 2  # a fixed quorum: nobody claims one
+    assert group_quorum([{"quorum": 9}] * 9, 2) == 9
+    # one member of a fixed-quorum group claims a huge swarm: it cannot fail the rounds it joins
+    assert group_quorum([{"quorum": 500}, {}, {}], 2) == 2
+    # honest claims differ by a learner or two (each read the records at its own time)
+    assert group_quorum([{"quorum": 8}, {"quorum": 9}, {"quorum": 9}, {"quorum": 9}], 2) == 9
+    # a minority lying low or high moves it no further than the honest claims around it
+    assert group_quorum([{"quorum": 1}, {"quorum": 1}, {"quorum": 9}, {"quorum": 9}, {"quorum": 9}], 2) == 9
+    assert group_quorum([{"quorum": 5}, {"quorum": 5}, {"quorum": 5}, {"quorum": 10**5}, {"quorum": 10**5}], 2) == 5
+    assert group_quorum([], 3) == 3
+    # a pair applies the larger claim: one member whose reads missed learners cannot let the pair commit alone
+    assert group_quorum([{"quorum": 2}, {"quorum": 3}], 2) == 3
+    assert group_quorum([{"quorum": 2}, {"quorum": 2}, {"quorum": 3}, {"quorum": 3}], 2) == 3
+
+
+@pytest.mark.parametrize("claim", [True, "9", 9.0, 0, -4, MAX_QUORUM + 1, None, [9]])
+def test_a_malformed_claim_counts_as_k(claim):
+    assert group_quorum([{"quorum": claim}] * 3, 2) == 2
+    assert group_quorum(["not a dict", {"quorum": claim}, 7], 3) == 3
+
+
+def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
+    def rec(status):
+        return ProgressRecord(1, "a" * 64, 0, status, versions=(1,), shas=("a" * 64,))
+    me = "me"
+    reads = [{me: rec("training"), "p1": rec("training"), "p2": rec("done"), "p3": rec("left"),
+              "p4": rec("training"), "p5": rec("training")}]
+    board = SimpleNamespace(read=lambda: reads[-1])
+    progress = Progress(board, SimpleNamespace(peer_id=me), record_ttl=30.0)
+    progress.distrust("p4", 600)
+    clock = [1000.0]
+    monkeypatch.setattr("p2p_diloco.learner.progress.time.monotonic", lambda: clock[0])
+    progress.records(fresh=True)
+    # us, p1, p4 and p5; p2 is done and p3 has left (neither joins a round). p4 is distrusted (it served a state that
+    # failed our verification): it still trains and commits with others, so it counts, but its proposals do not.
+    assert progress.training_learners() == 4
+    assert set(progress.recently_training()) == {me, "p1", "p5"}
+    # A read that misses p4's and p5's records (a partial DHT answer) does not lower the count for TRAINING_MEMORY ...
+    reads.append({me: rec("training"), "p1": rec("training")})
+    clock[0] += 10
+    progress.records(fresh=True)
+    assert progress.training_learners() == 4
+    # ... after which they count as gone; p1 saying it is done counts at once.
+    reads.append({me: rec("training"), "p1": rec("done")})
+    clock[0] = 1000.0 + TRAINING_MEMORY - 5
+    progress.records(fresh=True)
+    assert progress.training_learners() == 3  # p1 is done; p4 and p5, missed for almost TRAINING_MEMORY, still count
+    clock[0] += 10
+    assert progress.training_learners() == 1
+
+
+def test_the_setting_is_checked_and_joins_the_lineage():
+    with pytest.raises(ConfigError, match="quorum"):
+        load_learner_config(SMALL, ["averaging.quorum=most"])
+    full_steps = ["outer.short_rounds=full", "outer.long_rounds=full"]
+    fixed, most = (load_learner_config(SMALL, o) for o in (["averaging.quorum=fixed", *full_steps], full_steps))
+    assert lineage_id(fixed) == "2543e0b8"  # a fixed quorum keeps the id lineages had before the setting
+    assert lineage_id(most) != lineage_id(fixed)  # learners that apply different quorums never meet
+
+
+def test_a_search_is_cut_to_search_seconds_but_never_before_the_groups_scheduled_start():
+    from p2p_diloco.net.averaging import search_timeout
+
+    assert search_timeout(30.0, 2.5, 10.0, None) == 30.0  # round_timeout
+    assert search_timeout(30.0, 2.5, 40.0, None) == 41.0  # a grace window longer than it
+    assert search_timeout(30.0, 2.5, None, None) == 30.0
+    # A latecomer's short search: a second past the scheduled start (the grace window, at least the matchmaking time).
+    assert search_timeout(30.0, 2.5, 10.0, 2.5) == 11.0
+    assert search_timeout(30.0, 2.5, 1.0, 2.5) == 3.5
+    assert search_timeout(30.0, 2.5, None, 0.0) == 3.5
+    assert search_timeout(30.0, 2.5, 1.0, 60.0) == 30.0  # never longer than it would have been

@@ -1,0 +1,76 @@
+"""The DHT process's RPC counts (p2p_diloco/net/traffic.py) and their Prometheus counters."""
+
+import asyncio
+
+import pytest
+from hivemind.proto import dht_pb2
+
+from p2p_diloco.learner.metrics import Metrics
+from p2p_diloco.net.traffic import counting_p2p, rpc_of, totals
+
+
+class _Base:
+    """Stands in for hivemind's P2P: a handler table and a canned reply."""
+
+    def __init__(self):
+        self.handlers = {}
+        self.fail = False
+
+    async def add_protobuf_handler(self, name, handler, input_protobuf_type, *, stream_input=False,
+                                   stream_output=False, balanced=False):
+        self.handlers[name] = handler
+
+    async def call_protobuf_handler(self, peer_id, name, input, output_protobuf_type):
+        if self.fail:
+            raise TimeoutError("no reply")
+        return dht_pb2.PingResponse(dht_time=1.0, available=True)
+
+
+def test_rpc_names_drop_the_namespace_and_totals_add_up_the_dhts_own():
+    assert rpc_of("DHTProtocol.rpc_find") == "DHTProtocol.rpc_find"
+    assert rpc_of("lineage_outer::DHTProtocol.rpc_store") == "DHTProtocol.rpc_store"
+    snapshot = {"DHTProtocol.rpc_find": {"calls_made": 2, "bytes_out": 10},
+                "DHTProtocol.rpc_store": {"calls_made": 1, "calls_served": 4, "bytes_in": 7},
+                "p2p_diloco.net.reach.check": {"calls_made": 5}}
+    assert totals(snapshot) == {"calls_made": 3, "calls_failed": 0, "calls_served": 4, "bytes_out": 10, "bytes_in": 7}
+    assert totals(snapshot, "p2p_diloco.net.reach")["calls_made"] == 5
+
+
+def test_calls_made_failed_and_served_are_counted_with_their_bytes():
+    p2p = counting_p2p(_Base)()
+    request = dht_pb2.PingRequest(validate=True)
+    reply = dht_pb2.PingResponse(dht_time=1.0, available=True)
+
+    async def go():
+        async def handler(req, ctx):
+            return reply
+
+        await p2p.add_protobuf_handler("DHTProtocol.rpc_ping", handler, dht_pb2.PingRequest)
+        await p2p.handlers["DHTProtocol.rpc_ping"](request, None)  # a peer calls us
+        await p2p.call_protobuf_handler(None, "DHTProtocol.rpc_ping", request, dht_pb2.PingResponse)
+        p2p.fail = True
+        with pytest.raises(TimeoutError):
+            await p2p.call_protobuf_handler(None, "DHTProtocol.rpc_ping", request, dht_pb2.PingResponse)
+
+    asyncio.run(go())
+    t = p2p.traffic.snapshot()["DHTProtocol.rpc_ping"]
+    assert t == {"calls_made": 2, "calls_failed": 1, "calls_served": 1,
+                 "bytes_out": reply.ByteSize() + 2 * request.ByteSize(),
+                 "bytes_in": request.ByteSize() + reply.ByteSize()}
+
+
+def test_metrics_follow_the_counts_and_start_again_after_a_dht_restart():
+    m = Metrics()
+    get = m.registry.get_sample_value
+    m.dht_traffic({"DHTProtocol.rpc_find": {"calls_made": 3, "calls_failed": 0, "calls_served": 5,
+                                            "bytes_out": 100, "bytes_in": 700}})
+    m.dht_traffic({"DHTProtocol.rpc_find": {"calls_made": 4, "calls_failed": 1, "calls_served": 5,
+                                            "bytes_out": 150, "bytes_in": 700}})
+    assert get("p2p_diloco_dht_calls_total", {"rpc": "DHTProtocol.rpc_find", "kind": "made"}) == 4
+    assert get("p2p_diloco_dht_calls_total", {"rpc": "DHTProtocol.rpc_find", "kind": "failed"}) == 1
+    assert get("p2p_diloco_dht_bytes_total", {"rpc": "DHTProtocol.rpc_find", "direction": "out"}) == 150
+    # A client's DHT starts again: its counts begin at zero, and the counters keep growing.
+    m.dht_traffic({"DHTProtocol.rpc_find": {"calls_made": 2, "calls_failed": 0, "calls_served": 0,
+                                            "bytes_out": 40, "bytes_in": 60}})
+    assert get("p2p_diloco_dht_calls_total", {"rpc": "DHTProtocol.rpc_find", "kind": "made"}) == 6
+    assert get("p2p_diloco_dht_bytes_total", {"rpc": "DHTProtocol.rpc_find", "direction": "in"}) == 760

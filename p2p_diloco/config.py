@@ -122,14 +122,14 @@ class OuterConfig(_Section):
         "scaled", description="scaled (default): a round whose contributions carry fewer than inner.steps_per_outer "
                               "inner steps (a mean weighted as the round averaged) moves the momentum and its "
                               "look-ahead by that share of a full outer step, so a parting or first round of a few "
-                              "steps is not a full momentum step; full: every round is one full outer step (the code "
-                              "before 2026-12-05). docs/design.md, 'Short rounds'")
+                              "steps is not a full momentum step; full: every round is one full outer step. "
+                              "docs/design.md, 'Short rounds'")
     long_rounds: Literal["decayed", "full"] = Field(
         "decayed", description="decayed (default): a round whose contributions carry s > inner.steps_per_outer inner "
                                "steps (lower median) spans s/H outer steps' time, and the momentum that goes on past "
                                "it is momentum**(s/H) (linear between whole powers; s/H at most 64; also in the "
                                "look-ahead), so a slow link's long rounds do not carry stale momentum; full: momentum "
-                               "as in a round of H steps (the code before 2026-12-05). docs/design.md, 'Long rounds'")
+                               "as in a round of H steps. docs/design.md, 'Long rounds'")
 
 
 class ContributionLimits(NamedTuple):

@@ -17,10 +17,10 @@ The rule, applied to the members in sorted peer-id order:
    progress at once, and one that just (re)joined sends few; by the square root because an outer gradient of
    Adam steps grows like a random walk, not like a straight line: per inner step, a learner restarted from
    nothing that met a round after 1 step, beside others sending 80, was 8-9x their median and left out
-   (chaos benchmark, 2026-12-05); per √step it is 1.0x (docs/security.md, "Honest outliers"). And each step
+   (chaos benchmark); per √step it is 1.0x (docs/security.md, "Honest outliers"). And each step
    counts as much as its lr allows: a member gathers ``lr_steps``, the sum of (lr / peak lr)² over its
    steps, so that under a warm-up or a cosine decay a contribution of many steps at a high lr is not an
-   outlier beside ones of a few steps at a low lr (CI, 2026-12-05: 20 warm-up steps beside 1-2 at the
+   outlier beside ones of a few steps at a low lr (CI: 20 warm-up steps beside 1-2 at the
    warm-up's start were 22x per √step). ``lr_steps`` is bounded by the steps, and by the warm-up as the
    group's version allows (:func:`_peak_steps`). Leave-one-out, so that an outlier cannot raise its own
    yardstick, and so that the rule means something in tiny groups: alone, nobody is compared (only rule 1

@@ -122,7 +122,7 @@ class Pace:
 
         t_round is the upper median of the latest rounds, not a moving average: with a moving average (weight 0.3)
         one round twice as long as the others raises a learner's proposal by 30 %, which can take the period a rung
-        up, and the hysteresis keeps a rung until the proposals fall below half of it (WAN benchmark, 2026-12-03:
+        up, and the hysteresis keeps a rung until the proposals fall below half of it (WAN benchmark:
         a first round of 23 s under start-up load took the period to 80 s on a 10 Mbit/s link, where it stayed
         until the proposals came below 40 s).
         The upper median moves only when most of the latest rounds do, and errs long while there are few."""
@@ -136,7 +136,7 @@ class Pace:
         The period follows a slower link only through rounds that were slow; counted when they end, and only
         those that formed a group, three of a learner's latest five had to end slow before its proposal moved.
         After a drop from 10 to 2 Mbit/s at 150 s the period stayed at 20 s until the run reached its target at
-        276 s, with 18 slots skipped and 6 of 60 rounds without a group (WAN benchmark, 2026-12-05). A skipped
+        276 s, with 18 slots skipped and 6 of 60 rounds without a group (WAN benchmark). A skipped
         slot says at once that rounds outlast their slots; a round longer than its slot is not one a fast link
         has, so this does not lift the period on a fast link."""
         if math.isfinite(seconds) and seconds > 0:
@@ -152,7 +152,7 @@ class Pace:
         """This learner's proposed period; 0.0 (none) until it has measured an inner step and a round that formed
         a group. Proposing H · t_step before any round was measured took the period from the starting 60 s down to
         20 s on 1 and 2 Mbit/s links, where rounds took 16-35 s: slots were skipped in the first minute and one
-        fragment ran two versions ahead of the other for the rest of the run (WAN benchmark, 2026-12-03)."""
+        fragment ran two versions ahead of the other for the rest of the run (WAN benchmark)."""
         with self._lock:
             if self.t_step is None or self.t_round is None:
                 return 0.0
@@ -181,7 +181,7 @@ class Pace:
 
         ``announced``: the changes other learners' records say they decided, ``(period, at)``. Learners that decide
         the same change a few seconds apart can fall on both sides of the time that fixes its boundary, and would
-        switch one period apart (seen once in the WAN benchmark, 2026-12-03): a learner with a change pending takes
+        switch one period apart (seen once in the WAN benchmark): a learner with a change pending takes
         the earliest time announced for the same change, provided it is a boundary that change could have (a
         multiple of the larger period) and at least :data:`MIN_NOTICE` s away. A liar can only move it to such a
         boundary, where an honest learner's decision could have put it.
@@ -201,10 +201,10 @@ class Pace:
                     self.pending, decided = (new, at), True
                 # Else a rise pending applies sooner than this larger one would: it stands, and the rest of the way
                 # up is decided once it is in use. (At 1 Mbit/s a rise to 113.1 s due in 55 s, revised to 160 s at
-                # the next multiple of 160 s, came 158 s later: 4 rounds found no group meanwhile, 2026-12-05.)
+                # the next multiple of 160 s, came 158 s later: 4 rounds found no group meanwhile.)
             # Otherwise a pending change stands until it applies: revised only upwards. (Revising it at every read,
             # proposals measured under start-up load moved it 40 → 20 → 28.3 → 40 s within a minute, each time
-            # with another switch time; WAN benchmark at 20 Mbit/s, 2026-12-03.)
+            # with another switch time; WAN benchmark at 20 Mbit/s.)
             if self.pending is None:
                 return None
             announced = list(announced)
@@ -212,7 +212,7 @@ class Pace:
                 # A fall: to the smallest fall another learner announced, at a boundary it could have (its
                 # fall from the same period). Learners whose reads put the median on both sides of a rung
                 # decided falls to two periods, and their slots parted (60 → 20 and 28.3 at 50 Mbit/s, WAN
-                # benchmark, 2026-12-05). Only a fall an honest learner could decide counts: to a rung, and at
+                # benchmark). Only a fall an honest learner could decide counts: to a rung, and at
                 # least a rung (below DOWN · period, rounded up). A liar can make a fall smaller, within that.
                 smaller = [(p, a) for p, a in announced if self.pending[0] < p <= RUNG * DOWN * self.period + 1e-6
                            and is_rung(p, self.floor) and now + MIN_NOTICE <= a and _on_boundary(a, self.period)]

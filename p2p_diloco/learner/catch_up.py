@@ -178,7 +178,7 @@ class CatchUp:
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
         # Ahead on any fragment, not by the oldest one: at [8, 8] against finished peers' [8, 9] we are behind
-        # (WAN benchmark at 10 Mbit/s on b668740: a learner so left trained alone until the benchmark's timeout).
+        # (WAN benchmark at 10 Mbit/s: a learner so left trained alone until the benchmark's timeout).
         done_ahead = any(d > v for d, v in zip(self.done_at, self.state.versions, strict=True))
         if self.cfg.run.stop_at_eval_loss is not None and done_ahead and not live:
             # Peers stopped at the target loss ahead of us and have left while we were behind (say,
@@ -190,7 +190,7 @@ class CatchUp:
             return
         # Level with (or ahead of) finished peers that have left, and nobody else training: with a quorum above one
         # no round of ours can commit, so our global model no longer changes. The learner evaluates it once more and
-        # stops (Learner._end_of_outer_step). WAN benchmark at 10 Mbit/s on 34c80fb: a learner at the finished
+        # stops (Learner._end_of_outer_step). WAN benchmark at 10 Mbit/s: a learner at the finished
         # peers' versions [5, 6], whose global model read 2.67 against the target 2.6, trained alone until stopped.
         others_training = set(self.progress.recently_training(trusted_only=False)) - {self.state.peer_id}
         self.left_alone = (self.cfg.run.stop_at_eval_loss is not None and self.saw_finished and not live

@@ -238,7 +238,7 @@ class Learner:
 
     def _stop_if_cut_off(self) -> None:
         """Stop with one line if the learner's DHT or averager process has exited: it would train on alone,
-        never to merge again (seen when a torn request killed a DHT process, 2026-12-04). Its steps are in
+        never to merge again (seen when a torn request killed a DHT process). Its steps are in
         the checkpoint; a restart rejoins the swarm and hands them over."""
         gone = self.parts.averaging.gone()
         if gone is not None and not self.stop.is_set():  # a signal to the whole process group ends them too

@@ -129,9 +129,9 @@ def linger(leaving: Leaving, progress: Progress, versions: Sequence[int], second
     Behind as the records remembered show them (:meth:`Progress.recently_training`), not as one read does: while
     downloads fill a slow link, reads miss the records of the very learners downloading from us, and a learner that
     left while they were behind let them commit versions of their own under numbers the swarm had used (a fork;
-    WAN benchmark, links 10 → 2 Mbit/s, 2026-12-03). Behind on any fragment, not by the oldest one: a learner at
+    WAN benchmark, links 10 → 2 Mbit/s). Behind on any fragment, not by the oldest one: a learner at
     versions [8, 8] is behind us at [8, 9], and one that was downloading fragment 1 from the last learners to leave
-    was left alone with a stream cut mid-tensor, unable to commit or catch up (WAN benchmark, 10 Mbit/s, b668740)."""
+    was left alone with a stream cut mid-tensor, unable to commit or catch up (WAN benchmark, 10 Mbit/s)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not leaving.stop.is_set():
         progress.records(fresh=True)

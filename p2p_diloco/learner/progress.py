@@ -104,11 +104,11 @@ class Progress:
         """The learners (ours included) whose last record said training, seen by a read within the last
         :data:`TRAINING_MEMORY` seconds (or 2 · ``record_ttl``); only the trusted ones unless ``trusted_only`` is
         False. A read can miss records: while all-reduces fill a slow link, lookups miss live learners' records for
-        up to a minute (WAN benchmark at 2 Mbit/s with ``record_ttl`` = 8 s, 2026-12-03: gaps of 16–57 s); counting
+        up to a minute (WAN benchmark at 2 Mbit/s with ``record_ttl`` = 8 s: gaps of 16–57 s); counting
         only what one read showed let two learners take the swarm for 3 and commit a version as a pair. A learner
         that died counts that much longer: rounds need its share of the majority until then. The majority's count
-        takes distrusted learners too: a peer whose state failed our verification (or whose download the link cut,
-        before c2c5891) still trains and commits with others, and leaving it out lowers the count below the swarm's."""
+        takes distrusted learners too: a peer whose state failed our verification still trains and commits with
+        others, and leaving it out lowers the count below the swarm's."""
         now, horizon = time.monotonic(), self._memory
         return {p: r for p, (r, seen) in list(self._training.items())
                 if now - seen <= horizon and (not trusted_only or self._trusted(p))}

@@ -204,7 +204,7 @@ class Rounds:
         """A round of ours has ended, on time or ``late`` (detached): the one place it is measured, counted and
         audited. A late round is the slow link the pace and the grace window exist for: unmeasured, every round
         on a 1 Mbit/s link outlived its wait, the period stayed at its starting 60 s and fragment 1's slot was
-        skipped for the first 7 minutes (WAN benchmark, 2026-12-05)."""
+        skipped for the first 7 minutes (WAN benchmark)."""
         out, f = _outcome(task), task.fragment.index
         self.audit.round(f, out, self.cfg.codec_for(f), task.tokens, late=late)
         self.state.counters.bytes_sent += out.bytes_sent
@@ -408,7 +408,7 @@ class Rounds:
         Whether the round before a slot ends in time differs between learners by seconds (certificates, a
         slower member's share of the all-reduce): at 1 Mbit/s three learners skipped a slot that the fourth,
         a few seconds ahead of them, opened; it searched alone for 31 s (``round_timeout``), and that round,
-        still in flight, made it skip its next slot too (WAN benchmark, 2026-12-05). Such a latecomer's search
+        still in flight, made it skip its next slot too (WAN benchmark). Such a latecomer's search
         is cut to the slot's window: other latecomers, whose rounds ended as late as its own, can still meet
         it there (had everyone come late, skipping would lose the slot for all), and alone it is free again
         within seconds. A failed DHT look counts as someone looking (the search runs its full time).

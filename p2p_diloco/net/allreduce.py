@@ -69,7 +69,7 @@ logger = get_logger(__name__)
 # to close it. When the reducer's side closes first, p2pd may reset the stream, and a reset that reaches
 # the sender's side before the reply is read discards the reply: in one 16-learner run, 2 of 554 reply
 # streams ended with no reply although the reducer had sent it ("peer ... sent 0 parts"), and each
-# failed the round of all 16 (2026-12-04, docs/scale.md). Our senders close as soon as they hold every
+# failed the round of all 16 (docs/scale.md). Our senders close as soon as they hold every
 # reply they expect, which cancels the wait (hivemind cancels a handler whose stream its caller closed).
 _REPLY_HOLD = 5.0
 

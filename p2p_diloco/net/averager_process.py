@@ -394,7 +394,7 @@ def group_quorum(gathered: Iterable[Any], base: int) -> int:
     minority of members lying high or low moves the median no further than the honest claims around it.
     The upper median, not the lower: a count too low forks (a group smaller than half the swarm commits), a count
     too high only fails a round. In a pair it is the larger claim, so one member that missed learners in its reads
-    no longer lets the pair commit (WAN benchmark, links 10 → 2 Mbit/s, 2026-12-03: a pair committed while 4
+    no longer lets the pair commit (WAN benchmark, links 10 → 2 Mbit/s: a pair committed while 4
     learners trained).
     """
     claims: list[int] = []

@@ -87,7 +87,7 @@ class _WholeMessages:
     when only part of a message has arrived (the sender wrote the header and is still writing the rest,
     or the pipe was full), and the bytes it already read are lost: hivemind logs the error and reads
     again from the middle of the message, and the process dies ("EOFError: Ran out of input"). Seen
-    with 16 learners on 2 cores (2026-12-04): 4 learners' DHT processes died in one round and the
+    with 16 learners on 2 cores: 4 learners' DHT processes died in one round and the
     round of 16 failed for everyone. Here a read that has begun waits for the rest: the poll said a
     message is there, and its sender is in the middle of writing it.
     """

@@ -7,7 +7,7 @@ for the leader's go (the group's member list and gathered metadata) until the gr
 same ``request_timeout``, without the lock. On a slow link the go, a few hundred bytes, queues behind
 the data of a round still in flight: at 1 Mbit/s a member gave up on it after the WAN benchmark's 1 s
 while its leader had counted it in, and the group's all-reduce failed ("never received the leader's
-go"; 3 of 33 rounds, WAN benchmark, 2026-12-05).
+go"; 3 of 33 rounds, WAN benchmark).
 
 :class:`PatientMatchmaking` keeps the wait for an answer as configured and lets the wait for the go be
 longer (``go_timeout``: the learner sets it from its measured all-reduces, hivemind_averaging.py). It

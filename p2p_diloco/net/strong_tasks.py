@@ -9,7 +9,7 @@ the averager through the DHT and waits on the DHT's reply, an ``MPFuture`` that 
 only weakly), nothing outside the cycle holds it, and the cyclic collector destroys it mid-cleanup
 ("Task was destroyed but it is pending!", then "aclose(): asynchronous generator is already
 running"). ``begin_search`` never leaves its ``async with self.lock_search``, and every later search
-of that averager waits on the lock for ever: in a 16-learner run (2026-12-04) one learner missed the
+of that averager waits on the lock for ever: in a 16-learner run one learner missed the
 round after its first cancelled one and every round after that, 19 in a row (docs/scale.md).
 
 :func:`keep_tasks_alive` makes a loop create every task with a strong reference held until it is done;

@@ -62,7 +62,7 @@ class CommitBoard:
         sketches and signatures are DHT records that cross the same links as the all-reduce, behind whatever
         else is queued there. At 1 Mbit/s, after all-reduces of 30–40 s, one member of a group of four gave up
         after 10 s ("no sketch from … within 10 s") while the three others committed, and it spent the next
-        six minutes behind the swarm (WAN benchmark, 2026-12-05); a constant is right for one link only.
+        six minutes behind the swarm (WAN benchmark); a constant is right for one link only.
 
         With ``verify`` (a round's reducers are checked, :mod:`p2p_diloco.core.shard_sketches`): first wait for the
         sketch of every contributor under ``sketch_key`` (each member's averager published its own there right

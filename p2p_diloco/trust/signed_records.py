@@ -103,8 +103,8 @@ class CheckedOnce(RSASignatureValidator):
 
     A search returns whole dictionary values (every learner's signed progress record, every declared
     groupmate), from each peer it asks and at every poll, and hivemind checks every signature in each:
-    at 16 learners on one machine, RSA verification was 39% of each DHT process's busy time (py-spy,
-    2026-12-04) and the DHT processes together kept a core busy. A verdict depends only on the record
+    at 16 learners on one machine, RSA verification was 39% of each DHT process's busy time (py-spy)
+    and the DHT processes together kept a core busy. A verdict depends only on the record
     (key, subkey, value with its signature, expiration), so it is remembered under the SHA-256 of those,
     for the ``size`` records seen last: a record changed in any byte is checked again.
     """

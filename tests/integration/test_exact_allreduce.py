@@ -174,8 +174,9 @@ def test_a_groupmate_that_never_joined_the_group_fails_the_round_at_once():
         future = MPFuture()
         other._outer_pipe.send(("_one_sided_round", [], dict(other=searcher.peer_id, future=future)))
         result = future.result(timeout=60)  # 2·next_chunk_timeout = 120 s without the refusal
+        # The refusal names the reason (the searcher is in no group with us), whenever the searcher's own
+        # 30 s window ends: what is checked does not depend on which comes first.
         assert "is not in this group" in result, result
-        assert thread.is_alive(), "the round should fail while the other peer is still searching"
         thread.join(60)
         assert "could not find a group" in outcome["searcher"] or "no group" in outcome["searcher"], outcome
     finally:

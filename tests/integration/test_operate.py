@@ -31,6 +31,11 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float] | None:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def _committed(scrape: dict[tuple[str, tuple], float]) -> float:
+    return sum(v for (n, labels), v in scrape.items()
+               if n == "p2p_diloco_rounds_total" and ("outcome", "committed") in labels)
+
+
 def _status(addr: str) -> dict | None:
     done = subprocess.run([sys.executable, "-m", "p2p_diloco", "status", "--initial-peers", addr, "--json"],
                           capture_output=True, text=True, timeout=90, cwd=ROOT)
@@ -38,13 +43,14 @@ def _status(addr: str) -> dict | None:
     return json.loads(done.stdout)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_status_and_metrics_during_a_run(swarm):
     port = _free_port()
     addr = swarm.start_bootstrap()
-    slow = ["--set", "inner.extra_step_seconds=0.1"]  # a run long enough for status to start (~15 s) meanwhile
-    learners = [swarm.start_learner(0, max_outer_steps=10, extra=[*slow, "--set", f"run.metrics_port={port}"]),
-                swarm.start_learner(1, max_outer_steps=10, extra=slow)]
+    # The test ends the run (SIGTERM) once it has seen what it looks for, so no check races the end of training.
+    slow = ["--set", "inner.extra_step_seconds=0.1"]
+    learners = [swarm.start_learner(0, max_outer_steps=1000, extra=[*slow, "--set", f"run.metrics_port={port}"]),
+                swarm.start_learner(1, max_outer_steps=1000, extra=slow)]
     wait_until(lambda: committed_version(learners[0]) >= 1, 150, learners[0], "version 1")
 
     seen = None
@@ -68,12 +74,19 @@ def test_status_and_metrics_during_a_run(swarm):
     assert "/ip4/127.0.0.1/tcp/" in table.stdout and "MB received" in table.stdout, table.stdout
 
     last, peers_visible = None, set()
-    deadline = time.monotonic() + 150
-    while learners[0].popen.poll() is None and time.monotonic() < deadline:
+
+    def committed_and_seen() -> bool:
+        nonlocal last
         last = _scrape(port) or last
-        if last is not None:
-            peers_visible.add(last.get(("p2p_diloco_peers_visible", ())))
-        time.sleep(0.5)
+        if last is None:
+            return False
+        peers_visible.add(last.get(("p2p_diloco_peers_visible", ())))
+        return 1.0 in peers_visible and _committed(last) >= 1 \
+            and last.get(("p2p_diloco_matchmaking_seconds_count", ()), 0) >= 1
+
+    wait_until(committed_and_seen, 120, learners[0], "a scrape with a commit and the other learner visible")
+    for p in learners:
+        p.terminate()  # leaves as Ctrl+C does: the summary is written at exit
     for p in learners:
         assert p.wait(60) == 0, p.text()
     assert last is not None, "the metrics endpoint never answered"
@@ -84,8 +97,7 @@ def test_status_and_metrics_during_a_run(swarm):
     # Two learners, equal shards: in each round a learner receives what the other sends it (and any state it
     # downloads comes on top).
     assert s["bytes_received"] > 0.5 * s["bytes_sent"], s
-    committed = sum(v for (n, labels), v in last.items()
-                    if n == "p2p_diloco_rounds_total" and ("outcome", "committed") in labels)
+    committed = _committed(last)
     assert 1 <= committed <= s["outer_steps"]
     assert last[("p2p_diloco_version", (("fragment", "0"),))] >= 1
     # The last scrape may fall between a round's group forming and its commit being counted.

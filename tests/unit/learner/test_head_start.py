@@ -3,7 +3,6 @@ the end; a learner's head start evaluates, and steps only from a checkpoint, nev
 outer step's end."""
 
 import threading
-import time
 
 import pytest
 
@@ -31,26 +30,29 @@ def test_work_runs_until_it_says_it_is_done():
 @pytest.mark.timeout(20)
 def test_no_unit_of_work_runs_while_paused_and_finish_ends_endless_work():
     inside = threading.Event()  # set while paused() holds
+    ran = threading.Event()  # set by every unit
     overlaps, units = [], []
 
     def work() -> bool:
         overlaps.append(inside.is_set())
         units.append(1)
-        time.sleep(0.002)
+        ran.set()
         return True
 
     head = HeadStart(work).start()
     for _ in range(20):
+        assert ran.wait(10)  # the worker is running units right before the pause
         with head.paused():
             inside.set()
+            ran.clear()
             done = len(units)
-            time.sleep(0.005)
-            assert len(units) == done  # held between two units
+            assert not ran.wait(0.005) and len(units) == done  # held between two units
             inside.clear()
+        ran.clear()
+    assert ran.wait(10)  # and it resumed after the last pause
     head.finish()
-    stopped = len(units)
-    time.sleep(0.02)
-    assert len(units) == stopped and units and not any(overlaps)
+    assert not any(t.name == "head-start" for t in threading.enumerate())  # finish joined the worker
+    assert len(units) >= 21 and not any(overlaps)
 
 
 @pytest.mark.timeout(20)

@@ -20,17 +20,23 @@ from p2p_diloco.net.strong_tasks import in_loops_made_by, keep_tasks_alive
 
 
 class _WeaklyAnsweringKeys:
-    """A group key manager whose DHT answers each request a little later, holding the reply weakly."""
+    """A group key manager whose DHT answers each request on a later turn of the loop, holding the reply weakly.
+    The un-declare's reply waits for :meth:`release`, so the test decides when it arrives, not a clock."""
 
     current_key = "run_outer.0b0"
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.replies, self.undeclared = loop, weakref.WeakSet(), 0
+        self.declared, self.undeclaring = asyncio.Event(), asyncio.Event()
+        self._held: list = []
 
-    async def _reply(self, value):
+    async def _reply(self, value, hold: bool = False):
         reply = self.loop.create_future()
         self.replies.add(reply)
-        self.loop.call_later(0.05, self._answer, value)
+        if hold:
+            self._held.append(value)
+        else:
+            self.loop.call_soon(self._answer, value)
         return await reply
 
     def _answer(self, value):
@@ -38,9 +44,19 @@ class _WeaklyAnsweringKeys:
             if not reply.done():
                 reply.set_result(value)
 
+    def release(self):
+        """Answer the held un-declare (if anyone still waits for it)."""
+        for value in self._held:
+            self._answer(value)
+
     async def declare_averager(self, key, peer_id, expiration_time, looking_for_group=True):
-        await self._reply(True)
-        self.undeclared += not looking_for_group
+        if looking_for_group:
+            await self._reply(True)
+            self.declared.set()
+            return
+        self.undeclaring.set()
+        await self._reply(True, hold=True)
+        self.undeclared += 1
 
     async def get_averagers(self, key, only_active=True):
         return await self._reply([])
@@ -63,12 +79,14 @@ async def _cancel_a_search(keep: bool) -> tuple[bool, int]:
             await asyncio.sleep(3600)
 
     task = asyncio.create_task(search())
-    await asyncio.sleep(0.2)  # declared and listed
+    await asyncio.wait_for(keys.declared.wait(), 30)
     task.cancel()  # and return without awaiting it
     del task
-    await asyncio.sleep(0.01)  # its clean-up now waits for the un-declare's reply
+    await asyncio.wait_for(keys.undeclaring.wait(), 30)  # its clean-up now waits for the un-declare's reply
     gc.collect()
-    await asyncio.sleep(0.3)
+    keys.release()
+    for _ in range(200):  # turns of the loop, not seconds: the clean-up, if alive, ends within a few
+        await asyncio.sleep(0)
     return leaders.lock_search.locked(), keys.undeclared
 
 

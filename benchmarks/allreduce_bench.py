@@ -3,7 +3,7 @@
 For each model size and group size N this averages fp32 pseudo-gradients shaped like the byte-level
 GPT's parameters (seeded random values, one set per learner, weights 1..N) and reports:
 
-* hivemind (``p2p_diloco.core.averaging_api.HivemindAveraging``): wall seconds of the whole round (matchmaking
+* hivemind (``p2p_diloco.net.averaging.HivemindAveraging``): wall seconds of the whole round (matchmaking
   + all-reduce), seconds of the all-reduce alone (``AverageResult.allreduce_seconds``) and bytes each
   learner sent (``AverageResult.bytes_sent``, measured: protobuf messages of the all-reduce);
 * gloo (``torch.distributed.all_reduce`` in N spawned processes): seconds of the all-reduce of one
@@ -161,7 +161,7 @@ def run_hivemind(
     try:
         started = time.perf_counter()
         for d in dhts:
-            avs.append(HivemindAveraging(d, template, cfg, prefix=f"bench_{row.size}_{n}"))
+            avs.append(HivemindAveraging.start(d, template, cfg, prefix=f"bench_{row.size}_{n}"))
         row.hm_setup_s = time.perf_counter() - started
 
         for r in range(WARMUP_ROUNDS + row.rounds):

@@ -6,6 +6,7 @@
 - :mod:`.schedule`: which fragment rounds are due and starting them (the round schedule).
 - :mod:`.round`: one outer round of one fragment, as an object with explicit stages.
 - :mod:`.catch_up`: deciding that the swarm is ahead and downloading the newer state.
+- :mod:`.swarm_end`: what the progress records say of the run's end (who finished, who left without us).
 - :mod:`.parting`: leaving (stop signals, parting rounds that hand unmerged steps on).
 - :mod:`.progress`: publishing this learner's progress record, reading the swarm's.
 - :mod:`.head_start`: work done on a thread while the DHT joins the swarm.

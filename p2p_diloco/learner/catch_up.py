@@ -22,10 +22,10 @@ from p2p_diloco.core.averaging_api import Averaging
 from p2p_diloco.core.fragments import Fragment
 from p2p_diloco.core.outer import GlobalState, apply_result, merge_lineages
 from p2p_diloco.core.state_layout import parse_download
-from p2p_diloco.errors import LearnerError
 from p2p_diloco.learner.audit import Audit
 from p2p_diloco.learner.progress import Progress
 from p2p_diloco.learner.state import LearnerState, same_or_behind
+from p2p_diloco.learner.swarm_end import SwarmEnd
 from p2p_diloco.net.progress_records import ProgressRecord
 from p2p_diloco.net.reach import reduces_and_serves
 from p2p_diloco.trust.certificates import Certifier, Commit, Verifier
@@ -72,10 +72,7 @@ class CatchUp:
         # After a state is adopted or merged (the learner checkpoints, so that a kill does not redo it)
         self.on_adopt = on_adopt or (lambda: None)
         self.download: Download | None = None
-        self.done_at: list[int] = [0] * len(state.states)  # per fragment: newest version a finished peer held
-        self.swarm_gone = False  # stop_at_eval_loss: the others reached it and left while we were behind
-        self.saw_finished = False  # a peer's record said done (it reached the run's end)
-        self.left_alone = False  # stop_at_eval_loss: level with finished peers that left, nobody else training
+        self.end = SwarmEnd(cfg, len(state.states))  # what the records said of the run's end
 
     def downloading(self, fragment: int) -> bool:
         """Whether a background download holding ``fragment`` is pending (running, or arrived and not adopted yet)."""
@@ -90,7 +87,7 @@ class CatchUp:
         """
         if self.download is not None:
             return []
-        behind = self.behind(fresh=not background)
+        behind = self.look(fresh=not background)
         if not behind.fragments:
             return []
         logger.info(f"the swarm {behind.reason} our version {self.state.version} of fragments {behind.fragments}: "
@@ -126,31 +123,34 @@ class CatchUp:
             self.download.thread.join(timeout=self.cfg.averaging.next_chunk_timeout)
             self.poll(busy=None)
 
-    def behind(self, fresh: bool = True) -> Behind:
-        """Which peers hold newer state (or a sibling lineage) of which fragments, from the progress records.
+    def look(self, fresh: bool = True) -> Behind:
+        """Read the others' progress records once (looked up now unless ``fresh`` is False): which peers hold
+        newer state (or a sibling lineage) of which fragments.
 
-        Also notes the swarm's end: raises :class:`LearnerError` if it finished the run without us
-        and nobody serves its state, and sets :attr:`swarm_gone` if it stopped at the target loss.
+        What the same read says of the run's end goes to :attr:`end` (:meth:`SwarmEnd.observe`), which raises
+        :class:`LearnerError` if the swarm finished the run without us and nobody serves its state.
         """
         records = self.progress.others(fresh)
         live = {p: r for p, r in records.items() if r.status != "left"}
-        self.left_alone = False
-        for r in live.values():
-            if r.status == "done":
-                self.saw_finished = True
-                self.done_at = [max(v, r.fragment_version(f)) for f, v in enumerate(self.done_at)]
+        behind = self._behind(live)
+        self.end.observe(records, live, self.state.versions, bool(behind.fragments), self._others_training)
+        return behind
+
+    def _behind(self, live: dict[str, ProgressRecord]) -> Behind:
         # A client or relayed learner (net.reach) serves no state: what its record shows is held by a reachable
         # peer too, or by nobody who can serve it (a client keeps no merge that no such peer signed, see _reconcile).
         ahead, siblings, fragments = self._compare({p: r for p, r in live.items() if reduces_and_serves(r.reach)})
-        if ahead or siblings:
-            # Newest first; random among equals, so that many joiners spread over the peers that serve.
-            peers = [p for p, _ in sorted(ahead.items(), key=lambda kv: kv[1], reverse=True)]
-            peers += [p for p, _ in sorted(siblings.items(), key=lambda kv: kv[1], reverse=True) if p not in ahead]
-            reason = "is ahead of" if ahead else "holds a sibling lineage of"
-            claims = {p: {f: live[p].fragment_version(f) for f in fragments} for p in peers}
-            return Behind(peers, sorted(fragments), reason, claims)
-        self._check_swarm_end(records, live)
-        return Behind([], [], "")
+        if not (ahead or siblings):
+            return Behind([], [], "")
+        # Newest first; random among equals, so that many joiners spread over the peers that serve.
+        peers = [p for p, _ in sorted(ahead.items(), key=lambda kv: kv[1], reverse=True)]
+        peers += [p for p, _ in sorted(siblings.items(), key=lambda kv: kv[1], reverse=True) if p not in ahead]
+        reason = "is ahead of" if ahead else "holds a sibling lineage of"
+        claims = {p: {f: live[p].fragment_version(f) for f in fragments} for p in peers}
+        return Behind(peers, sorted(fragments), reason, claims)
+
+    def _others_training(self) -> set[str]:
+        return set(self.progress.recently_training(trusted_only=False)) - {self.state.peer_id}
 
     def _compare(self, live: dict[str, ProgressRecord]) -> tuple[dict, dict, set[int]]:
         ahead: dict[str, tuple[int, float]] = {}
@@ -168,33 +168,6 @@ class CatchUp:
                     siblings[p] = max(siblings.get(p, (0, 0.0)), (v, random.random()))
                     fragments.add(f)
         return ahead, siblings, fragments
-
-    def _check_swarm_end(self, records: dict[str, ProgressRecord], live: dict[str, ProgressRecord]) -> None:
-        target, version = self.cfg.run.max_outer_steps, self.state.version
-        finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
-        if finished and target is not None and version < target and not live:
-            raise LearnerError(
-                f"the swarm already finished at version {max(finished)} and no running peer serves that "
-                f"state; start this learner with a higher --max-outer-steps or with other learners"
-            )
-        # Ahead on any fragment, not by the oldest one: at [8, 8] against finished peers' [8, 9] we are behind
-        # (WAN benchmark at 10 Mbit/s: a learner so left trained alone until the benchmark's timeout).
-        done_ahead = any(d > v for d, v in zip(self.done_at, self.state.versions, strict=True))
-        if self.cfg.run.stop_at_eval_loss is not None and done_ahead and not live:
-            # Peers stopped at the target loss ahead of us and have left while we were behind (say,
-            # mid-download over a slow link): nobody is left to merge with or to serve the state, so
-            # we stop too instead of training alone. Our local progress is in the checkpoint.
-            self.swarm_gone = True
-            logger.warning(f"the swarm reached the target at fragment versions {self.done_at} and left while we were "
-                           "behind; stopping too (local progress is in the checkpoint)")
-            return
-        # Level with (or ahead of) finished peers that have left, and nobody else training: with a quorum above one
-        # no round of ours can commit, so our global model no longer changes. The learner evaluates it once more and
-        # stops (Learner._end_of_outer_step). WAN benchmark at 10 Mbit/s: a learner at the finished
-        # peers' versions [5, 6], whose global model read 2.67 against the target 2.6, trained alone until stopped.
-        others_training = set(self.progress.recently_training(trusted_only=False)) - {self.state.peer_id}
-        self.left_alone = (self.cfg.run.stop_at_eval_loss is not None and self.saw_finished and not live
-                           and not others_training and self.cfg.averaging.min_group_size > 1)
 
     def fetch(self, peers: Sequence[str] = (), fragments: Sequence[int] | None = None,
               claims: dict[str, dict[int, int]] | None = None) -> dict[int, GlobalState]:

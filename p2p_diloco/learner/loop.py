@@ -218,14 +218,14 @@ class Learner:
                     f"{'' if eval_loss is None else f'eval_loss {eval_loss:.4f} '}compute {busy:.1%} sent "
                     f"{c.bytes_sent / 1e6:.3f} MB total global_tokens {min(s.tokens for s in p.state.states)} "
                     f"steps_merged {c.steps_merged:.0f}")
-        target, alone = cfg.run.stop_at_eval_loss, p.catch_up.left_alone
+        target, alone = cfg.run.stop_at_eval_loss, p.catch_up.end.left_alone
         if target is not None and (eval_due or alone):
             global_loss = self.evaluate(self.global_params())
             self.target_loss_reached = global_loss <= target
             logger.info(f"global model eval_loss {global_loss:.4f} at version {p.state.version} (target {target:g}"
                         f"{': reached' if self.target_loss_reached else ''})")
             if alone and not self.target_loss_reached:
-                p.catch_up.swarm_gone = True  # no round can commit alone: the global model stays where it is
+                p.catch_up.end.give_up()  # no round can commit alone: the global model stays where it is
                 logger.warning(f"the others reached the target and left, and nobody else trains; alone, with a quorum "
                                f"of {cfg.averaging.min_group_size}, no round commits: stopping at version "
                                f"{p.state.version} (local progress is in the checkpoint)")
@@ -250,7 +250,7 @@ class Learner:
         """Whether training is over: target version or loss reached, or the swarm left without us."""
         target = self.cfg.run.max_outer_steps
         p = self.parts
-        return (self.target_loss_reached or p.catch_up.swarm_gone
+        return (self.target_loss_reached or p.catch_up.end.gone
                 or (target is not None and p.state.version >= target))
 
     def evaluate(self, params: list[torch.Tensor] | None = None) -> float:

@@ -419,7 +419,7 @@ def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
 def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, progress: Progress,
                      leaving: Leaving, faults: FaultHooks, client: bool) -> HivemindAveraging:
     state = local.state
-    averaging = HivemindAveraging(
+    averaging = HivemindAveraging.start(
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=averaging_prefix(lineage),
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         training_learners=progress.training_learners,

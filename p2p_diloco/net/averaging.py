@@ -87,7 +87,8 @@ def go_timeout(configured: float, allreduces: Sequence[float], round_timeout: fl
 
 @dataclass
 class HivemindAveraging:
-    """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state.
+    """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state. Made by
+    :meth:`start`, which starts its averager process.
 
     ``fragments`` lists the tensor indices of each fragment (default: one fragment of everything)
     and ``codecs`` the codec name of each fragment.
@@ -130,17 +131,28 @@ class HivemindAveraging:
     _control: Any = field(init=False, default=None)  # the step control of the round in progress
 
     def __post_init__(self) -> None:
+        self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
+        self._bans = Bans(self.cfg.ban_rounds)
+        self._go_timeout = self.cfg.request_timeout
+        if self.fragments is None:
+            self.fragments = [tuple(range(len(self._buffers)))]
+
+    @classmethod
+    def start(cls, *args: Any, **kwargs: Any) -> HivemindAveraging:
+        """Build one (the arguments are the fields') and start its averager process: hivemind's
+        ``DecentralizedAverager`` forks here and joins the DHT's averaging keys."""
+        averaging = cls(*args, **kwargs)
+        averaging._start_averager()
+        return averaging
+
+    def _start_averager(self) -> None:
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
         # process); for a learner a dropped round is a normal outcome, reported by the rounds in one
         # WARNING line naming the cause. The traceback stays available at DEBUG.
         averager_logger = logging.getLogger("hivemind.averaging.averager")
         if not any(isinstance(f, _FailedStepToDebug) for f in averager_logger.filters):
             averager_logger.addFilter(_FailedStepToDebug())
-        self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
-        self._bans = Bans(self.cfg.ban_rounds)
-        self._go_timeout = self.cfg.request_timeout
-        if self.fragments is None:
-            self.fragments = [tuple(range(len(self._buffers)))]
+        assert self.fragments is not None
         names = list(self.codecs) if self.codecs else [self.cfg.compression] * len(self.fragments)
         sigint = signal.getsignal(signal.SIGINT)  # hivemind sets SIGINT to "ignore" in *our* process
         self._averager = OuterGradientAverager(

@@ -7,7 +7,6 @@ the tests' own settings and bookkeeping.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,18 +77,35 @@ class Swarm:
         return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.text()[-3000:]}" for p in self.procs)
 
 
+def audit_events(proc: Proc, *events: str) -> list[dict]:
+    """The events of ``proc``'s audit log so far (``audit.jsonl`` in its ``--checkpoint-dir``), those named in
+    ``events`` only if any are; a line still being written is skipped."""
+    argv = list(proc.popen.args)
+    path = Path(argv[argv.index("--checkpoint-dir") + 1]) / "audit.jsonl"
+    if not path.exists():
+        return []
+    found = []
+    for raw in path.read_bytes().splitlines():
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        if not events or entry.get("event") in events:
+            found.append(entry)
+    return found
+
+
 def committed_version(proc: Proc) -> int:
-    """The version of the last outer round ``proc`` logged as committed (0 before the first)."""
-    found = re.findall(r"outer round committed \| version (\d+)", proc.text())
-    return int(found[-1]) if found else 0
+    """The version the last round ``proc`` committed produced (0 before the first), from its audit log."""
+    return max((e["version_after"] for e in audit_events(proc, "committed")), default=0)
 
 
 def eval_losses(proc: Proc, from_version: int = 0) -> list[float]:
-    """The eval losses ``proc`` logged at the end of its outer steps at ``from_version`` or later.
+    """The eval losses at the end of ``proc``'s outer steps at ``from_version`` or later, from its audit log.
 
     Right after a learner adopts a newer state it missed (it started late, say), its model is the new
     state plus its own steps since the last merge (docs/design.md, "rebase, never discard"); early in
     training that double step can read above 10 for one outer step, whatever a fault did later.
     """
-    return [float(loss) for version, loss in re.findall(r"outer step done \| version (\d+) .*?eval_loss (\d+\.\d+)",
-                                                        proc.text()) if int(version) >= from_version]
+    return [e["eval_loss"] for e in audit_events(proc, "outer_step")
+            if e["eval_loss"] is not None and e["version"] >= from_version]

@@ -20,12 +20,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+
+from p2p_diloco.sim.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -100,8 +101,9 @@ def _remove(project: str | None) -> None:
             _run([*rm, *names], timeout=120, check=False)
 
 
-class Swarm:
-    """One compose project of docker-compose.yml with fast learners, and what the test reads from it."""
+class ComposeProject:
+    """One compose project of docker-compose.yml with fast learners, and what the test reads from it: the
+    containers' counterpart of the loopback :class:`~tests.integration.harness.Swarm`."""
 
     def __init__(self, tmp: Path, client: list[str]):
         self.project = f"{PREFIX}{uuid.uuid4().hex[:8]}"
@@ -146,11 +148,11 @@ class Swarm:
         return _run(["docker", "exec", container, *cmd], timeout=60, check=check)
 
     def wait(self, what: str, cond, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.describe()}")
-            time.sleep(2)
+        """:func:`wait_until`, with the containers' logs in the error."""
+        try:
+            wait_until(cond, timeout, what=what, poll=2)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{self.describe()}") from None
 
     def wait_versions_past(self, containers: list[str], version: int, timeout: float) -> None:
         self.wait(f"{containers} past version {version}",
@@ -199,7 +201,7 @@ def swarm(tmp_path, request):
     _build_image()
     client = _compose_client()
     assert client is not None
-    s = Swarm(tmp_path, client)
+    s = ComposeProject(tmp_path, client)
     try:
         yield s
     finally:

@@ -8,14 +8,15 @@ learners must keep committing, end on one state, never take the poisoned one, an
 """
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 from p2p_diloco.learner.audit import FILENAME
+from p2p_diloco.sim.processes import Proc
 from p2p_diloco.trust.admission import peer_id_of
 
+from .harness import audit_events
 from .test_swarm import _assert_one_lineage
 
 TARGET = 5
@@ -46,9 +47,11 @@ def test_honest_learners_are_not_fooled_by_a_lying_member(swarm, lie):
     taken += [sha for log in logs for e in log if e["event"] == "downloaded" for _, sha in e["fragments"].values()]
     assert committed and set(taken) <= committed, (set(taken) - committed, texts)
     if lie == "state":
-        refusals = [t for t in texts if f"rejected state from {liar_id}: fragment 0 version" in t]
+        refusals = [e for log in logs for e in log if e["event"] == "download_rejected" and e["peer"] == liar_id
+                    and e["reason"].startswith("fragment 0 version")]
     else:
-        refusals = [t for t in texts if f"{liar_id} claimed version" in t]
+        refusals = [e for log in logs for e in log if e["event"] == "distrusted" and e["peer"] == liar_id
+                    and e["reason"].startswith("claimed version")]
     assert refusals, "\n".join(t[-3000:] for t in texts) + liar.text()[-2000:]
 
 
@@ -66,7 +69,7 @@ def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_
     summaries = _assert_one_lineage(swarm, range(3), TARGET)
     for p, s in zip(honest, summaries, strict=True):
         assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, s
-        groups = [int(n) for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", p.text())]
+        groups = [e["group_size"] for e in audit_events(p, "committed")]
         assert 4 in groups, groups  # the liar was in the rounds: outvoted, not left out
 
 
@@ -75,8 +78,9 @@ def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_
     """The default token-weighted mean: the liar's weight of 1e15 is recomputed from its tokens and steps
     (p2p_diloco/core/exclusion.py), so its sign-flipped outer gradient counts like one honest learner's and the
     three honest ones outweigh it. Unbounded, the same run ended at eval loss 32.0 (docs/security.md)."""
-    liar_id, texts = _three_honest_and_one(swarm, "poison at round 2 with flip; lie at round 2 with weight")
-    groups = [int(n) for t in texts for n in re.findall(r"outer round committed \| version \d+ \S+ \S+ group (\d+)", t)]
+    liar_id, honest = _three_honest_and_one(swarm, "poison at round 2 with flip; lie at round 2 with weight")
+    texts = [p.text() for p in honest]
+    groups = [e["group_size"] for p in honest for e in audit_events(p, "committed")]
     assert 4 in groups, groups  # the liar was in the rounds: bounded, not left out
     bounded = [t for t in texts if f"bounded the weight of {liar_id[-6:]}: it claimed weight 1e+15" in t]
     assert bounded, "\n".join(t[-3000:] for t in texts)
@@ -88,19 +92,19 @@ def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm):
     would commit the same poisoned state, and the commit certificate would hold. The members' sketches
     (p2p_diloco/core/shard_sketches.py) catch it before anyone signs; they ban the reducer and commit without it.
     (Under the median, tests/integration/test_reducer_check.py; a swarm: benchmarks/poisoning.py.)"""
-    liar_id, texts = _three_honest_and_one(swarm, "lie at round 2 with shard")
+    liar_id, honest = _three_honest_and_one(swarm, "lie at round 2 with shard")
+    texts = [p.text() for p in honest]
     caught = [t for t in texts if f"not signing the round: the shard reduced by {liar_id[-6:]} does not match" in t]
     assert caught, "\n".join(t[-3000:] for t in texts)
     assert any(f"{liar_id[-6:]} is banned from this learner's next" in t for t in texts)
     # Rounds after the lie committed without the liar: groups of the three honest learners.
-    late = [int(n) for t in texts
-            for v, n in re.findall(r"outer round committed \| version (\d+) \S+ \S+ group (\d+)", t) if int(v) >= 3]
+    late = [e["group_size"] for p in honest for e in audit_events(p, "committed") if e["version_after"] >= 3]
     assert late and 3 in late, late
 
 
-def _three_honest_and_one(swarm, fault: str) -> tuple[str, list[str]]:
+def _three_honest_and_one(swarm, fault: str) -> tuple[str, list[Proc]]:
     """Three honest learners and one with ``fault`` to version TARGET: the honest ones end on one state
-    with a falling eval loss. The liar's peer id and the honest learners' logs."""
+    with a falling eval loss. The liar's peer id and the honest learners."""
     swarm.start_bootstrap()
     liar_id = peer_id_of(swarm.tmp / "ckpt-3" / "identity.key")
     honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]
@@ -108,7 +112,6 @@ def _three_honest_and_one(swarm, fault: str) -> tuple[str, list[str]]:
     for p in honest:
         assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, range(3), TARGET)
-    texts = [p.text() for p in honest]
-    for text, s in zip(texts, summaries, strict=True):
-        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, (s, text[-3000:])
-    return liar_id, texts
+    for p, s in zip(honest, summaries, strict=True):
+        assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, (s, p.text()[-3000:])
+    return liar_id, honest

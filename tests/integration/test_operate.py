@@ -5,7 +5,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest

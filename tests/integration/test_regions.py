@@ -13,11 +13,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from p2p_diloco.sim.processes import wait_until
 from p2p_diloco.sim.regions import netns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,13 +122,12 @@ class Regions:
 
 
 def _wait_until(cond, timeout: float, what: str, regions: Regions | None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.3)
-    log = regions.text()[-4000:] if regions is not None else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n{log}")
+    """:func:`wait_until`, with the regions' log in the error."""
+    try:
+        wait_until(cond, timeout, what=what, poll=0.3)
+    except TimeoutError as e:
+        log = regions.text()[-4000:] if regions is not None else ""
+        raise AssertionError(f"{e}:\n{log}") from None
 
 
 @needs_netns

@@ -1,7 +1,5 @@
 """Our inner AdamW against torch.optim.AdamW: same bits, interchangeable state dicts, clear errors."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,9 +65,3 @@ def test_mismatched_state_is_refused():
         AdamW(model.parameters(), lr=-1.0)
 
 
-def test_a_training_step_does_not_import_torch_dynamo():
-    code = ("import sys, torch; from p2p_diloco.core.inner_optim import AdamW; m = torch.nn.Linear(3, 3); "
-            "o = AdamW(m.parameters()); m(torch.ones(3)).sum().backward(); o.step(); "
-            "print('torch._dynamo' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "False", out.stderr

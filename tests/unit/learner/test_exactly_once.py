@@ -26,7 +26,7 @@ from p2p_diloco.trust.admission import peer_id_of
 from p2p_diloco.trust.certificates import Certificate, Commit, Signature, Verifier
 from p2p_diloco.trust.signed_records import IdentityKey
 from tests.unit.fake_averaging import FakeAveraging
-from tests.unit.net.test_download import served, states
+from tests.unit.learner.test_download import served, states
 
 
 def test_contributors_are_remembered_copied_and_bounded():

@@ -98,45 +98,45 @@ def catch_up_with(records, stop_at=2.5, extra=()) -> CatchUp:
 def test_a_learner_behind_peers_that_reached_the_target_and_left_stops_too():
     ahead = ProgressRecord(9, "0" * 64, 10, "done", versions=(9, 9), shas=("a" * 64, "b" * 64))
     catch_up = catch_up_with({"me": ahead, "peer": ahead})
-    behind = catch_up.behind()
-    assert behind.peers == ["peer"] and behind.fragments == [0, 1] and not catch_up.swarm_gone
+    behind = catch_up.look()
+    assert behind.peers == ["peer"] and behind.fragments == [0, 1] and not catch_up.end.gone
     catch_up.progress.board.records = {"peer": ProgressRecord(9, "0" * 64, 10, "left")}
-    assert catch_up.behind().fragments == [] and catch_up.swarm_gone
+    assert catch_up.look().fragments == [] and catch_up.end.gone
     # Behind on one fragment only (the oldest fragment's version the same: 8): stops too.
     done_8_9 = ProgressRecord(8, "0" * 64, 10, "done", versions=(8, 9), shas=("a" * 64, "b" * 64))
     ours_8_8 = catch_up_with({"peer": done_8_9})
     ours_8_8.state.states[0].version = ours_8_8.state.states[1].version = 8
-    ours_8_8.behind()
+    ours_8_8.look()
     ours_8_8.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
-    ours_8_8.behind()
-    assert ours_8_8.done_at == [8, 9] and ours_8_8.swarm_gone
+    ours_8_8.look()
+    assert ours_8_8.end.done_at == [8, 9] and ours_8_8.end.gone
     # Level with the finished peers on every fragment: nothing to download. Nobody else trains, and alone no
     # round can commit (quorum 2): left alone, the learner evaluates its global model once more and stops.
     level = catch_up_with({"peer": done_8_9})
     level.state.states[0].version, level.state.states[1].version = 8, 9
-    level.behind()
-    assert not level.left_alone  # the finished peer is still there (serving, lingering)
+    level.look()
+    assert not level.end.left_alone  # the finished peer is still there (serving, lingering)
     level.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
-    level.behind()
-    assert level.done_at == [8, 9] and not level.swarm_gone and level.left_alone
+    level.look()
+    assert level.end.done_at == [8, 9] and not level.end.gone and level.end.left_alone
     # Not alone while another learner was seen training (a read that misses its record does not count) ...
     training = ProgressRecord(8, "0" * 64, 10, "training", versions=(8, 9))
     level.progress._remember({"other": training})
-    level.behind()
-    assert not level.left_alone
+    level.look()
+    assert not level.end.left_alone
     # ... nor when a learner may commit alone (quorum 1), nor without a target loss.
     for solo in (catch_up_with({"peer": done_8_9}, extra=["averaging.min_group_size=1"]),
                  catch_up_with({"peer": done_8_9}, stop_at=None)):
-        solo.behind()
+        solo.look()
         solo.progress.board.records = {"peer": ProgressRecord(8, "0" * 64, 10, "left", versions=(8, 9))}
-        solo.behind()
-        assert solo.saw_finished and not solo.left_alone
+        solo.look()
+        assert solo.end.saw_finished and not solo.end.left_alone
     # Without a target loss, a learner left alone trains on (the others may have been interrupted).
     alone = catch_up_with({"peer": ahead}, stop_at=None)
-    alone.behind()
+    alone.look()
     alone.progress.board.records = {}
-    alone.behind()
-    assert not alone.swarm_gone
+    alone.look()
+    assert not alone.end.gone
 
 
 def test_a_download_is_taken_from_the_first_peer_that_serves_a_newer_verified_state():
@@ -158,9 +158,9 @@ def test_clients_and_relayed_learners_are_not_taken_as_download_sources():
     ahead = {reach: ProgressRecord(9, "0" * 64, 10, "running", versions=(9, 9), shas=("a" * 64, "b" * 64), reach=reach)
              for reach in ("client", "relay", "direct", "")}
     only_clients = catch_up_with({"c": ahead["client"], "r": ahead["relay"]}, stop_at=None)
-    assert only_clients.behind().fragments == []  # what they show is held by a reachable peer, or by nobody
+    assert only_clients.look().fragments == []  # what they show is held by a reachable peer, or by nobody
     mixed = catch_up_with({"c": ahead["client"], "d": ahead["direct"], "old": ahead[""]}, stop_at=None)
-    behind = mixed.behind()
+    behind = mixed.look()
     assert sorted(behind.peers) == ["d", "old"] and behind.fragments == [0, 1]
 
 

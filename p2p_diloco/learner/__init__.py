@@ -4,6 +4,7 @@
 - :mod:`.startup`: start-up (checkpoint directory, DHT, lineage, data, model, restore, averager).
 - :mod:`.state`: what a learner holds, shared by its parts (global state per fragment, counters).
 - :mod:`.schedule`: which fragment rounds are due and starting them (the round schedule).
+- :mod:`.phase`: keeping in phase with the swarm's rounds on the steps schedule.
 - :mod:`.round`: one outer round of one fragment, as an object with explicit stages.
 - :mod:`.catch_up`: deciding that the swarm is ahead and downloading the newer state.
 - :mod:`.swarm_end`: what the progress records say of the run's end (who finished, who left without us).

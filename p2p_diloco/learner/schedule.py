@@ -28,6 +28,7 @@ from p2p_diloco.hooks import NO_FAULTS, FaultHooks
 from p2p_diloco.learner.audit import Audit
 from p2p_diloco.learner.catch_up import CatchUp
 from p2p_diloco.learner.metrics import Metrics
+from p2p_diloco.learner.phase import Phase
 from p2p_diloco.learner.progress import Progress
 from p2p_diloco.learner.round import OuterRound, RoundOutcome, Stage
 from p2p_diloco.learner.state import LearnerState, Unconfirmed
@@ -62,9 +63,6 @@ class InFlight:
         return self.thread is not None and self.thread.is_alive()
 
 
-_MAX_WAITS = 2  # late slots in a row at which a learner waits for the swarm's next round (Rounds._wait_for_the_swarm)
-
-
 @dataclass
 class Rounds:
     """The learner's fragment rounds. At most one round is in flight (``inflight``), plus at most one
@@ -86,17 +84,13 @@ class Rounds:
     last_outcome: RoundOutcome | None = None
     pending: dict[int, float] = field(default_factory=dict)  # fragment → deadline (monotonic) of a slot
     late: set[int] = field(default_factory=set)  # pending slots that waited for the round before them (clock)
-    # Steps schedule: added to the step counter to find due fragments; moved when we re-join the
-    # swarm's rounds after losing phase with it (see rephase).
-    phase_shift: int = 0
-    # No phase with the swarm yet (no round of ours committed since we started), or the last round on the
-    # steps schedule ended without a commit: rephase looks for the swarm's round.
-    out_of_phase: bool = True
-    next_phase_look: float = 0.0  # monotonic time of the next DHT look for the others' rounds
-    waits: int = 0  # slots in a row at which we were late for the swarm's round and waited for its next
     metrics: Metrics = field(default_factory=Metrics)
     pace: Pace | None = None  # sync.pace = auto: the clock's period and τ follow measurements
     faults: FaultHooks = NO_FAULTS  # test-only fault injection, handed to each round
+    phase: Phase = field(init=False)  # steps schedule: our phase against the swarm's rounds
+
+    def __post_init__(self) -> None:
+        self.phase = Phase(self.cfg, self.state, self.averaging)
 
     def overlap(self) -> int:
         """τ for the next round: measured (sync.pace = auto) or as configured."""
@@ -225,15 +219,14 @@ class Rounds:
         # Tokens taken during the overlap were not part of this round; they count for the next one.
         c.merged(f, task.tokens, task.steps, len(self.state.fragments), task.lr_steps)
         c.missed_versions[f] = 0
-        self.out_of_phase = False
-        self.waits = 0
+        self.phase.committed()
         self.state.refresh_served()
         self.averaging.set_state_priority(self.state.version)
         self.on_commit()
 
     def _failed(self) -> None:
         self.state.counters.rounds_failed += 1
-        self.out_of_phase = True
+        self.phase.failed()
 
     def _detach(self, task: InFlight, waited: float) -> None:
         """Train on without a round that outlived ``sync.max_wait_seconds`` past τ (a groupmate died
@@ -271,13 +264,13 @@ class Rounds:
             return  # a newer state of it is on the way; this one is adopted (or superseded) with it
         # A download moved the fragment meanwhile: the result comes in like any peer's state.
         self.state.counters.outer_steps += 1
-        self.out_of_phase = False
+        self.phase.out = False
         if f in self.catch_up.adopt({f: task.state}):
             self.state.counters.missed_versions[f] = 0  # our own round, not a version we missed
 
     def due(self) -> list[Fragment]:
         """Fragments that became due: at their wall-clock slot (each slot once), or on the steps schedule when the
-        inner step plus :attr:`phase_shift` reaches their offset.
+        inner step plus the phase's shift (:class:`~p2p_diloco.learner.phase.Phase`) reaches their offset.
         """
         if self.clock is not None:
             now = get_dht_time()
@@ -286,8 +279,7 @@ class Rounds:
                 self.clock.retime(*change)
                 logger.info(f"round period now {change[0]:.1f} s (τ {self.overlap()} steps)")
             return self.clock.due(now)
-        return due_fragments(self.state.fragments, self.state.counters.inner_steps + self.phase_shift,
-                             self.cfg.inner.steps_per_outer)
+        return due_fragments(self.state.fragments, self.phase.steps(), self.cfg.inner.steps_per_outer)
 
     def at_target(self, fragment: int) -> bool:
         """Whether ``fragment`` has reached ``run.max_outer_steps``: no more rounds of it."""
@@ -296,38 +288,12 @@ class Rounds:
 
     def rephase(self) -> None:
         """Steps schedule: before our first commit, and after a round without one, join a round the others
-        are forming now.
-
-        One asymmetric round can put two learners' step counters a whole search apart for good
-        (docs/design.md, "Re-phasing on the steps schedule"). So while our last round failed, and no
-        round of ours runs, we look in the DHT (at most once per matchmaking time) for peers looking
-        for a group at a fragment and version we hold; if there are some, we move our schedule so
-        that this fragment is due now. Only the learner whose round failed moves, into a search
-        already under way: nobody waits longer than one search. A learner that has just started (or
-        restarted) has no phase yet: it joins the swarm's round in the same way, with the steps it has
-        (at least one), instead of reaching its own slot after the swarm's group has formed.
-        """
-        if self.clock is not None or not self.out_of_phase or self.inflight is not None or self.detached is not None:
+        are forming now (:meth:`Phase.look <p2p_diloco.learner.phase.Phase.look>`), while no round of ours runs."""
+        if self.clock is not None or self.inflight is not None or self.detached is not None:
             return
-        now = time.monotonic()
-        if now < self.next_phase_look:
-            return
-        self.next_phase_look = now + self.cfg.averaging.matchmaking_time
-        h, c = self.cfg.inner.steps_per_outer, self.state.counters
-        steps = c.inner_steps
-        for frag in self.state.fragments:
-            if frag.index in self.pending or self.at_target(frag.index) or not c.steps_since_merge[frag.index]:
-                continue
-            others = self._searching(frag.index)
-            if others is None:
-                return  # a failed DHT look is a missed chance, not an error
-            if others:
-                shift = (frag.offset - steps) % h
-                logger.info(f"out of phase with the swarm: joining the round of fragment {frag.index} that "
-                            f"{others} other learner(s) are forming (schedule moved by {shift} of {h} steps)")
-                self.phase_shift = shift
-                self.pending[frag.index] = float("inf")
-                return
+        joined = self.phase.look(self.state.fragments, lambda f: f in self.pending or self.at_target(f))
+        if joined is not None:
+            self.pending[joined.index] = float("inf")
 
     def sync_due_fragments(self) -> None:
         """Open the slots of the fragments due now and start each round whose slot is open."""
@@ -414,7 +380,7 @@ class Rounds:
         within seconds. A failed DHT look counts as someone looking (the search runs its full time).
         """
         looked = time.perf_counter()
-        others = self._searching(f)
+        others = self.phase.searching(f)
         self.state.counters.wait_seconds += time.perf_counter() - looked
         if others is None or others:
             return False
@@ -422,34 +388,11 @@ class Rounds:
                     f"{self.state.states[f].version}: a short search (only latecomers like us can still come)")
         return True
 
-    def _searching(self, f: int) -> int | None:
-        """How many other peers look for a group of fragment ``f`` at our version (DHT); None if the look failed."""
-        try:
-            return self.averaging.searching_peers(f, self.state.states[f].version)
-        except Exception as e:  # noqa: BLE001 - a peer's DHT hiccup is the caller's missed chance, not an error
-            logger.debug(f"could not look for the others' rounds: {type(e).__name__}: {e}")
-            return None
-
     def _wait_for_the_swarm(self, f: int) -> bool:
-        """The swarm committed fragment ``f`` without us (we were late for its round) and we took its state:
-        whether our steps wait for the swarm's next round instead of a round of ours at the new version now.
-
-        Every learner late for the same round starting one at once committed the next version among
-        themselves, half a period after the others, who were then late in turn: 8 learners split into
-        two halves whose rounds took turns for the whole run (docs/scale.md). On the steps schedule
-        the late learner now waits: :meth:`rephase` looks for the swarm's next round (now, then once
-        per matchmaking time) and moves our schedule into it. After ``_MAX_WAITS`` slots in a row
-        without a commit it rounds at once again, as before. On the clock schedule everyone's slot is
-        the same, so a learner that took a state at its slot is on time for this slot's round.
-        """
-        if self.clock is not None or self.waits >= _MAX_WAITS or self.at_target(f):
-            return False
-        self.waits += 1
-        logger.info(f"fragment {f}: the swarm committed version {self.state.states[f].version} without us; our steps "
-                    "wait for its next round")
-        self.out_of_phase = True
-        self.next_phase_look = 0.0
-        return True
+        """The swarm committed fragment ``f`` without us: whether our steps wait for its next round
+        (:meth:`Phase.wait_for_the_swarm <p2p_diloco.learner.phase.Phase.wait_for_the_swarm>`). On the clock
+        schedule everyone's slot is the same, so a learner that took a state at its slot is on time for it."""
+        return self.clock is None and not self.at_target(f) and self.phase.wait_for_the_swarm(f)
 
     def in_limbo(self) -> dict[int, Unconfirmed]:
         """The round in flight's outer gradient, whose outcome is unknown until it is applied."""

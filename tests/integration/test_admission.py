@@ -95,7 +95,8 @@ def test_an_outsider_cannot_read_write_or_download(tmp_path):
         assert second.get("secret", latest=True).value == b"members only"
 
         served = [torch.ones(64, 8), torch.zeros(64, 8)]  # the served layout: parameters, then momentum
-        server = HivemindAveraging.start(first, template, cfg, prefix="private", state_provider=lambda: ({"v": 1}, served))
+        server = HivemindAveraging.start(first, template, cfg, prefix="private",
+                                         state_provider=lambda: ({"v": 1}, served))
         started.append(server)
         member = HivemindAveraging.start(second, template, cfg, prefix="private")
         started.append(member)

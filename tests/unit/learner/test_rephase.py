@@ -38,7 +38,7 @@ def _due_steps(learner: Rounds, fragment: int, steps: range) -> list[int]:
 
 def test_in_phase_no_dht_look():
     learner = _learner({(2, 7): 1}, steps=103)
-    learner.out_of_phase = False  # our last round committed
+    learner.phase.out = False  # our last round committed
     learner.rephase()
     assert learner.averaging.looks == 0 and not learner.pending
 
@@ -49,14 +49,14 @@ def test_a_learner_that_just_started_joins_the_swarms_round_once_it_has_steps_to
     learner.rephase()  # no phase yet, but nothing to contribute
     assert not learner.pending
     learner.state.counters.inner_steps, learner.state.counters.steps_since_merge = 4, [4] * P
-    learner.next_phase_look = 0.0
+    learner.phase.next_look = 0.0
     learner.rephase()
     assert list(learner.pending) == [2] and [f.index for f in learner.due()] == [2]
 
 
 def test_out_of_phase_joins_the_round_the_others_form_and_keeps_their_phase():
     learner = _learner({(2, 7): 1}, steps=103)  # fragment 2's own slot is at step % 20 == 10
-    learner.out_of_phase = True
+    learner.phase.out = True
     learner.rephase()
     assert list(learner.pending) == [2]  # started by sync_due_fragments in the same call
     assert [f.index for f in learner.due()] == [2]  # due now on the moved schedule: no second start
@@ -68,25 +68,25 @@ def test_out_of_phase_joins_the_round_the_others_form_and_keeps_their_phase():
 
 def test_looks_at_most_once_per_matchmaking_time_and_not_while_a_round_runs():
     learner = _learner({}, steps=55)
-    learner.out_of_phase = True
+    learner.phase.out = True
     learner.rephase()
-    assert learner.averaging.looks == P and not learner.pending and learner.phase_shift == 0
+    assert learner.averaging.looks == P and not learner.pending and learner.phase.shift == 0
     learner.rephase()
     assert learner.averaging.looks == P  # too soon
-    learner.next_phase_look = time.monotonic() - 1
+    learner.phase.next_look = time.monotonic() - 1
     learner.inflight = object()
     learner.rephase()
     assert learner.averaging.looks == P  # our own round is running
     learner.inflight = None
     learner.averaging.searching = {(0, 7): 2}
     learner.rephase()
-    assert list(learner.pending) == [0] and (55 + learner.phase_shift) % H == 0
+    assert list(learner.pending) == [0] and (55 + learner.phase.shift) % H == 0
 
 
 def test_fragments_at_the_target_version_are_not_joined():
     learner = _learner({(1, 7): 1}, steps=55)
     learner.cfg.run.max_outer_steps = 7
-    learner.out_of_phase = True
+    learner.phase.out = True
     learner.rephase()
     assert not learner.pending
 
@@ -95,7 +95,7 @@ def test_a_learner_late_for_the_swarms_round_takes_its_state_and_waits_for_its_n
     """Each late learner starting a round at the new version at once split 8 learners into two halves
     whose rounds took turns (benchmarks/scale_swarm.py): a late learner now joins the swarm's next round."""
     learner = _learner({}, steps=110, overlap=0)  # fragment 2's slot (step % 20 == 10): due now
-    learner.out_of_phase = False  # in phase until now
+    learner.phase.out = False  # in phase until now
     adopted = []
 
     def start(background=False):
@@ -107,12 +107,12 @@ def test_a_learner_late_for_the_swarms_round_takes_its_state_and_waits_for_its_n
     learner.sync_due_fragments()
     assert adopted == [False]  # τ = 0: the state is taken before the round would start
     assert learner.inflight is None and learner.averaging.looks == 0  # no round of our own at version 8
-    assert learner.out_of_phase and not learner.pending
+    assert learner.phase.out and not learner.pending
     # The swarm's next round of fragment 2 forms: we join it at once (the look is not rate-limited).
     learner.averaging.searching = {(2, 8): 3}
     learner.state.counters.inner_steps = 113
     learner.rephase()
-    assert list(learner.pending) == [2] and (113 + learner.phase_shift) % H == 10
+    assert list(learner.pending) == [2] and (113 + learner.phase.shift) % H == 10
 
 
 def test_after_two_late_slots_in_a_row_a_learner_rounds_at_once_and_a_merge_is_no_lateness():
@@ -131,24 +131,24 @@ def test_after_two_late_slots_in_a_row_a_learner_rounds_at_once_and_a_merge_is_n
     frag = learner.state.fragments[2]
     learner._open_slot(frag)
     learner._open_slot(frag)
-    assert started == [] and learner.waits == 2
+    assert started == [] and learner.phase.waits == 2
     learner._open_slot(frag)  # a third late slot without a commit: as before, a round at once
     assert started == [2]
-    learner.waits = 0
+    learner.phase.waits = 0
     merged.append(True)  # a split-brain merge changed the fragment: not late, a round at once
     learner._open_slot(frag)
-    assert started == [2, 2] and learner.waits == 0
+    assert started == [2, 2] and learner.phase.waits == 0
 
 
 def test_on_the_clock_schedule_a_learner_that_took_a_state_at_its_slot_rounds_in_it():
     learner = _learner({}, steps=110, overlap=0)
     learner.clock = object()  # everyone's slot is the same wall-clock time
-    learner.out_of_phase = False
+    learner.phase.out = False
     started = []
     learner.start = lambda frag, background=None, search_seconds=None: started.append(frag.index)
     learner.catch_up = SimpleNamespace(start=lambda background=False: [2], downloading=lambda f: False)
     learner._open_slot(learner.state.fragments[2])
-    assert started == [2] and not learner.out_of_phase
+    assert started == [2] and not learner.phase.out
 
 
 class _Clock:
@@ -164,7 +164,7 @@ class _Clock:
 
 def _on_the_clock(searching):
     learner = _learner(searching, steps=110, overlap=2)
-    learner.clock, learner.out_of_phase = _Clock(), False
+    learner.clock, learner.phase.out = _Clock(), False
     learner.catch_up = SimpleNamespace(start=lambda background=False: [], downloading=lambda f: False)
     started = []
     learner.start = lambda frag, background=None, search_seconds=None: started.append((frag.index, search_seconds))

@@ -15,6 +15,7 @@ decision, which arrives as its last control word.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -72,8 +73,7 @@ def follow(cfg: LearnerConfig, group: UnitGroup) -> int:
     at.steps, at.version = start.inner_steps, start.version
     if data is None or data.shard != start.shard:  # rank 0 took its shard from its peer id
         data = load_data(cfg, start.shard, tokenizer)
-    sampler = part_of_shard(data.sampler, group.rank, group.workers)
-    sampler.cursor = start.cursor
+    sampler = part_of_shard(dataclasses.replace(data.sampler, cursor=start.cursor), group.rank, group.workers)
     try:
         group.train_together(trainer, start.optimizer_steps)
         trainer.lr_position.load(start.lr_position)

@@ -249,8 +249,8 @@ def test_the_heartbeat_agrees_on_the_period_and_remembers_proposals_a_read_misse
     def rec(period, status="training"):
         return ProgressRecord(1, "a" * 64, 0, status, versions=(1,), shas=("a" * 64,), period=period)
 
-    progress = Progress(SimpleNamespace(read=dict), SimpleNamespace(peer_id="me"), record_ttl=8.0)
-    progress.pace = _pace(period=20.0)
+    progress = Progress(SimpleNamespace(read=dict), SimpleNamespace(peer_id="me"), record_ttl=8.0,
+                        pace=_pace(period=20.0))
     clock = [1000.0]
     monkeypatch.setattr("p2p_diloco.learner.progress.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("p2p_diloco.learner.progress.get_dht_time", lambda: clock[0])
@@ -278,8 +278,7 @@ def test_records_carry_the_decided_change_and_the_heartbeat_takes_an_earlier_one
     board = SimpleNamespace(read=dict, publish=published.append)
     served = SimpleNamespace(metadata={"sha256": "a" * 64, "fragments": [{"version": 1, "sha256": "a" * 64,
                                                                           "tokens": 0}]})
-    progress = Progress(board, SimpleNamespace(peer_id="me", served=served), record_ttl=8.0)
-    progress.pace = _pace(period=20.0)
+    progress = Progress(board, SimpleNamespace(peer_id="me", served=served), record_ttl=8.0, pace=_pace(period=20.0))
     clock = [1033.0]
     monkeypatch.setattr("p2p_diloco.learner.progress.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("p2p_diloco.learner.progress.get_dht_time", lambda: clock[0])

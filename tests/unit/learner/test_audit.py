@@ -240,18 +240,17 @@ def test_joins_and_leaves_seen_are_logged_and_summarised(tmp_path, keys):
 
 def test_an_observer_sees_every_event_and_cannot_break_the_log(tmp_path, keys):
     key, peer = keys[0]
-    audit = Audit.open(tmp_path, key, peer, 20)
     seen: list[str] = []
 
     def observer(event, fields):
         seen.append(event)
         raise RuntimeError("a bug in the observer")
 
-    audit.on_record = observer
+    audit = Audit.open(tmp_path, key, peer, 20, on_record=observer)
     audit.record("download_rejected", peer="p", reason="bad sha")
     audit.record("distrusted", peer="p")
     audit.close()
-    assert seen == ["download_rejected", "distrusted"]  # (heads are the log's own, not events)
+    assert seen == ["started", "download_rejected", "distrusted"]  # (heads are the log's own, not events)
     events = [json.loads(line)["event"] for line in _lines(tmp_path / FILENAME)]
     assert events[1:3] == ["download_rejected", "distrusted"]
     read_chain(tmp_path / FILENAME)

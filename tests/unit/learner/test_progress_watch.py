@@ -79,8 +79,7 @@ class _Audit:
 def test_the_heartbeat_audits_what_it_sees_and_counts_the_visible():
     board = _Board([{ME: _rec(), "p1": _rec(), "p2": _rec("left")}, {ME: _rec(), "p1": _rec("left")}])
     state = SimpleNamespace(peer_id=ME, served=SimpleNamespace(metadata=None))
-    progress = Progress(board, state, record_ttl=0.03)  # a heartbeat every 10 ms
-    progress.audit, progress.metrics = _Audit(), Metrics()
+    progress = Progress(board, state, record_ttl=0.03, audit=_Audit(), metrics=Metrics())  # a heartbeat every 10 ms
     seen = []
     progress.metrics.peers_visible = seen.append
     progress.start()

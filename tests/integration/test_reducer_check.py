@@ -27,7 +27,7 @@ def test_honest_shards_pass_and_a_lying_reducer_is_named_by_every_member(codec, 
     template = [torch.zeros(1500, 1000), torch.zeros(9)]  # int8: three parts of hivemind's 512 KiB, one per member
     dhts = [hivemind.DHT(start=True)]
     dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(2)]
-    plans = [None, None, FaultPlan.parse("lie at round 5 with shard")]
+    plans = [FaultPlan(), FaultPlan(), FaultPlan.parse("lie at round 5 with shard")]
     members = [HivemindAveraging.start(d, template, cfg, prefix="sketch", codecs=[codec], faults=plan)
                for d, plan in zip(dhts, plans, strict=True)]
     g = torch.Generator().manual_seed(11)

@@ -112,11 +112,11 @@ class HivemindAveraging:
     should_stop: Callable[[], bool] = lambda: False
     # Behind NAT (p2p_diloco.net.reach): send parts and receive results, never reduce, lead or serve state.
     client_mode: bool = False
+    step_tokens: int | None = None  # tokens one inner step of this learner holds (gathered: weights' bound)
+    limits: ContributionLimits | None = None  # what bounds contributions' weights (None: unbounded, in tests)
     # Told what the network brought in (the learner counts it, startup.py): the bytes of each finished all-reduce
     # (parts and averaged shards) and each download, failed ones included; and each finished round's
     # matchmaking seconds (from the step's start to its group forming).
-    step_tokens: int | None = None  # tokens one inner step of this learner holds (gathered: weights' bound)
-    limits: ContributionLimits | None = None  # what bounds contributions' weights (None: unbounded, in tests)
     on_received: Callable[[int], None] = lambda _n: None
     on_matchmaking: Callable[[float], None] = lambda _s: None
     _buffers: list[torch.Tensor] = field(init=False)

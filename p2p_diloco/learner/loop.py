@@ -57,10 +57,10 @@ class Learner:
     for tests (:mod:`p2p_diloco.hooks`). ``unit``: the other workers of a torchrun unit, when this is its
     rank 0 (:mod:`p2p_diloco.learner.unit.group`). Nothing starts before :meth:`run`."""
 
-    def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None, faults: FaultHooks = NO_FAULTS,
+    def __init__(self, cfg: LearnerConfig, stop: threading.Event | None = None, faults: FaultHooks | None = None,
                  unit: UnitHooks | None = None):
         self.cfg = cfg
-        self.faults = faults
+        self.faults = NO_FAULTS if faults is None else faults
         self.unit: UnitHooks = unit or Solo()
         self.leaving = Leaving(cfg.run.drain_seconds, stop)
         self.stop, self.leave_now = self.leaving.stop, self.leaving.leave_now

@@ -10,6 +10,7 @@ again before the error reaches the caller.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -138,9 +139,9 @@ class Parts:
         self.closer.close()
 
 
-def load_data(cfg: LearnerConfig, shard: int, tokenizer: Tokenizer, cursor: int = 0) -> LocalData:
+def load_data(cfg: LearnerConfig, shard: int, tokenizer: Tokenizer) -> LocalData:
     """Shard ``shard`` and the eval split as token ids, read in one pass; DataError if either holds at most
-    ``seq_len + 1`` tokens. The sampler starts at ``cursor`` (batches drawn before a restart)."""
+    ``seq_len + 1`` tokens."""
     splits = load_splits(cfg.data, [shard, None], tokenizer, min_tokens=cfg.model.seq_len + 2)
     train, evaluation = splits[shard], splits[None]
     if min(len(train), len(evaluation)) <= cfg.model.seq_len + 1:
@@ -149,8 +150,7 @@ def load_data(cfg: LearnerConfig, shard: int, tokenizer: Tokenizer, cursor: int 
         logger.info(f"shard {shard} holds {len(train) / 1e6:.2f} MB, eval split {len(evaluation) / 1e6:.2f} MB")
     else:
         logger.info(f"shard {shard} holds {len(train):,} tokens, eval split {len(evaluation):,} tokens")
-    sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard,
-                           cursor=cursor)
+    sampler = BatchSampler(train, cfg.model.seq_len, cfg.inner.batch_size, seed=cfg.run.seed * 7919 + shard)
     return LocalData(shard, sampler,
                      fixed_eval_batches(evaluation, cfg.model.seq_len, cfg.inner.batch_size, cfg.data.eval_batches))
 
@@ -326,8 +326,7 @@ def _set_up(cfg: LearnerConfig, faults: FaultHooks, leaving: Leaving, on_commit:
 
     waited = time.monotonic()
     dht, reach = _reach(cfg.network, dhts, start_paused)
-    lineage, audit, progress = _join(cfg, dht, reach, local, faults, began)
-    closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
+    lineage, audit, progress = _join(cfg, dht, reach, local, faults, began, closer)
     closer.callback(progress.publish, "left")  # from here on peers see us: say when we are gone
     closer.callback(progress.stop)
     waited = time.monotonic() - waited
@@ -364,13 +363,15 @@ def _build_local(cfg: LearnerConfig, faults: FaultHooks, tokenizer: Tokenizer, a
     shard = cfg.data.shard_index
     if shard is None:  # the DHT's peer ID is our identity's
         shard = shard_for_peer(PeerID.from_base58(peer_id_of(identity)).to_bytes(), cfg.data.num_shards)
+    data = load_data(cfg, shard, tokenizer)
     trainer, state = build(cfg, tokenizer, faults)
-    cursor = restore(payload, trainer, state, ckpt_dir) if payload is not None else 0
-    data = load_data(cfg, shard, tokenizer, cursor)
     # The clock starts at the next slot of each fragment: made before the DHT wait, as slots open meanwhile.
     clock = (ClockSchedule(state.fragments, cfg.sync.period_seconds, get_dht_time())
              if cfg.sync.schedule == "clock" else None)
     peer_log.set_position(lambda: (state.counters.inner_steps, state.version))
+    if payload is not None:  # the sampler goes on from the batches drawn before the restart
+        cursor = restore(payload, trainer, state, ckpt_dir)
+        data = dataclasses.replace(data, sampler=dataclasses.replace(data.sampler, cursor=cursor))
     state.refresh_served()
     return _Local(ckpt_dir, admission, identity, key, metrics, payload, data, trainer, state, tokenizer, clock)
 
@@ -457,9 +458,9 @@ def _reach(net: NetworkConfig, dhts: list[LinkedDHT], start: Callable[..., Linke
 
 
 def _join(cfg: LearnerConfig, dht: LinkedDHT, reach: Reach, local: _Local, faults: FaultHooks,
-          began: float) -> tuple[str, Audit, Progress]:
+          began: float, closer: contextlib.ExitStack) -> tuple[str, Audit, Progress]:
     """Our lineage, audit log and progress records, announced; after :func:`_reach` (which waited for the DHT
-    to join)."""
+    to join). The audit log is closed by ``closer``, after everything registered later has stopped."""
     state, metrics, payload = local.state, local.metrics, local.payload
     state.peer_id = str(dht.peer_id)
     peer_log.set_peer(state.peer_id[-6:])
@@ -473,6 +474,7 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, reach: Reach, local: _Local, fault
     audit = Audit.open(local.ckpt_dir, local.key, state.peer_id, cfg.run.audit_sign_every,
                        on_record=metrics.audited, lineage=lineage, shard=local.data.shard, versions=state.versions,
                        checkpoint=payload is not None)
+    closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
     address = first_address(dht)  # for `status`; peers find us through the DHT anyway
     progress = Progress(
         ProgressBoard(dht, lineage, ttl, dht.owner, index), state, ttl, client=reach.client,

@@ -93,13 +93,13 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         fragments: Sequence[Sequence[int]],
         codecs: Sequence[CompressionBase],
         state_provider: StateProvider | None = None,
-        faults: FaultHooks = NO_FAULTS,
+        faults: FaultHooks | None = None,
         rules: Rules | None = None,
         **kwargs,
     ):
         self._state_provider = state_provider
         self._rules = rules or Rules()
-        self._faults = faults
+        self._faults = NO_FAULTS if faults is None else faults
         self._fault_round = 0
         self._fragments = [tuple(f) for f in fragments]
         # Bytes of each fragment's served tensors (parameters and momentum, fp32): a download's cap.

@@ -131,6 +131,8 @@ class HivemindAveraging:
     _control: Any = field(init=False, default=None)  # the step control of the round in progress
 
     def __post_init__(self) -> None:
+        if self.faults is None:  # as no faults
+            self.faults = NO_FAULTS
         self._buffers = [torch.zeros_like(t, dtype=torch.float32) for t in self.template]
         self._bans = Bans(self.cfg.ban_rounds)
         self._go_timeout = self.cfg.request_timeout

@@ -39,7 +39,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 
-CHECK = "p2p_diloco.net.reach.check"  # the handler that dials a peer back
+CHECK = "p2p_diloco.reach.check"  # the handler that dials a peer back: a wire name, kept when the module moved
 DIRECT, RELAY, CLIENT = "direct", "relay", "client only"
 MODES = (DIRECT, RELAY, CLIENT)
 RECORD_VALUES = ("direct", "relay", "client")  # the ``reach`` field of progress records, one per mode

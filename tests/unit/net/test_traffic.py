@@ -33,7 +33,7 @@ def test_rpc_names_drop_the_namespace_and_totals_add_up_the_dhts_own():
                 "DHTProtocol.rpc_store": {"calls_made": 1, "calls_served": 4, "bytes_in": 7},
                 "p2p_diloco.reach.check": {"calls_made": 5}}
     assert totals(snapshot) == {"calls_made": 3, "calls_failed": 0, "calls_served": 4, "bytes_out": 10, "bytes_in": 7}
-    assert totals(snapshot, "p2p_diloco.net.reach")["calls_made"] == 5
+    assert totals(snapshot, "p2p_diloco.reach")["calls_made"] == 5
 
 
 def test_calls_made_failed_and_served_are_counted_with_their_bytes():

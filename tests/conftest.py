@@ -2,7 +2,7 @@
 
 - ``tests/unit/<subpackage>/``: one process, no network, mirrors ``p2p_diloco/<subpackage>/``.
 - ``tests/processes/``: real child processes (p2pd, gloo workers, fresh interpreters), no swarm.
-- ``tests/benchmarks/``: the benchmarks' arithmetic and short modes.
+- ``tests/benchmarks/``: the benchmarks' arithmetic, loaded from their scripts (no network).
 - ``tests/integration/``: real swarms of learner processes over hivemind and p2pd.
 
 Each directory's tests carry the marker of its name (``pytest -m "not integration"``), set here rather

@@ -17,9 +17,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
+
+from p2p_diloco.sim.regions.topology import load_topology
 
 TIERS = {"integration": "integration", "processes": "processes", "benchmarks": "benchmarks"}
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,3 +76,15 @@ def stop_leftover_children():
 def stop_every_child_at_the_end():
     yield
     _stop(list(_children().values()), 0)
+
+
+@pytest.fixture(scope="module")
+def topo():
+    """The committed region topology (regions/topology.toml)."""
+    return load_topology(ROOT / "regions" / "topology.toml")
+
+
+@pytest.fixture(scope="module")
+def compose():
+    """The committed docker-compose.yml, parsed."""
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -11,23 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
 
 from p2p_diloco.cli import _learner_overrides, build_parser
 from p2p_diloco.config import load_learner_config
 from p2p_diloco.sim.processes import wait_until
-from p2p_diloco.sim.regions.topology import load_topology
-from tests.unit.sim.test_regions import COMPOSE, ROOT, TOPOLOGY, _command
-
-
-@pytest.fixture(scope="module")
-def topo():
-    return load_topology(TOPOLOGY)
-
-
-@pytest.fixture(scope="module")
-def compose():
-    return yaml.safe_load(COMPOSE.read_text())
+from tests.unit.sim.test_regions import ROOT, _command
 
 
 def _fake_tools(tmp: Path, record: Path) -> dict[str, str]:

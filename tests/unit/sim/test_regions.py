@@ -14,7 +14,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import yaml
 
 from p2p_diloco.bootstrap import load_bootstrap_config
 from p2p_diloco.cli import _learner_overrides, build_parser
@@ -27,16 +26,6 @@ from p2p_diloco.sim.regions.topology import load_topology, rate_bits_per_second
 ROOT = Path(__file__).resolve().parents[3]
 TOPOLOGY = ROOT / "regions" / "topology.toml"
 COMPOSE = ROOT / "docker-compose.yml"
-
-
-@pytest.fixture(scope="module")
-def topo():
-    return load_topology(TOPOLOGY)
-
-
-@pytest.fixture(scope="module")
-def compose():
-    return yaml.safe_load(COMPOSE.read_text())
 
 
 def test_committed_compose_is_generated_from_the_topology(topo):

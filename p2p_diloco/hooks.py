@@ -51,10 +51,6 @@ class FaultHooks:
         """What this learner sends in place of the ``index``-th message of an all-reduce stream (``malform``)."""
         return [message]
 
-    def forges_states(self) -> bool:
-        """Whether :meth:`served_states` may ever differ from its input (``lie ... with state``)."""
-        return False
-
     def served_states(self, states: Sequence[Any], version: int) -> Sequence[Any]:
         """The global states this learner serves to a downloader while it holds ``version``."""
         return states

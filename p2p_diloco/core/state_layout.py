@@ -92,8 +92,7 @@ class ServedState:
     def refresh(self, states: Sequence[GlobalState]) -> None:
         """Serve a snapshot of ``states`` from now on (copies: later changes to them are not served)."""
         self._version = min((s.version for s in states), default=0)
-        forged = self.faults.served_states(states, self._version) if self.faults.forges_states() else states
-        self._current = snapshot(forged)
+        self._current = snapshot(self.faults.served_states(states, self._version))
 
     @property
     def metadata(self) -> dict[str, Any] | None:

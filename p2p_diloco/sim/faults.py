@@ -203,9 +203,6 @@ class FaultPlan(FaultHooks):
         from p2p_diloco.sim.malformed import malformed_messages
         return malformed_messages(kind, message, index)
 
-    def forges_states(self) -> bool:
-        return any(f.action == "lie" and f.mode == "state" for f in self.faults)
-
     def served_states(self, states: Sequence[Any], version: int) -> Sequence[Any]:
         return forged_states(states) if self.lying("state", version + 1) else states
 

@@ -24,6 +24,13 @@ class Override:
     upstream: str  # "module:Class.attribute"
     ours: str  # the module of this package that overrides it
     fingerprint: str  # the first 16 hex digits of sha256 over the upstream source
+    # What our module defines in its place: the method itself, or what that method reads (when ours changes an
+    # attribute the upstream method uses rather than the method)
+    replaced_by: str = ""
+
+    @property
+    def attribute(self) -> str:
+        return self.replaced_by or self.upstream.rpartition(".")[2]
 
     def upstream_source(self) -> str:
         module, _, qualname = self.upstream.partition(":")
@@ -53,5 +60,5 @@ OVERRIDES = (
     Override("hivemind.p2p.p2p_daemon:P2P.receive_raw_data", "message_caps", "353ef452baab5a81"),
     # request_timeout becomes a property; this is the method that reads it, twice
     Override("hivemind.averaging.matchmaking:Matchmaking._request_join_group", "patient_matchmaking",
-             "df823040a94d1c1d"),
+             "df823040a94d1c1d", replaced_by="request_timeout"),
 )

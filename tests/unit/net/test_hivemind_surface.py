@@ -23,6 +23,5 @@ def test_each_overridden_method_is_unchanged_upstream(override):
 
 @pytest.mark.parametrize("override", OVERRIDES, ids=lambda o: o.upstream.rsplit(":", 1)[1])
 def test_each_entry_names_the_module_that_overrides_it(override):
-    attribute = override.upstream.rsplit(".", 1)[1]
     source = open(f"{hivemind_surface.__file__.rsplit('/', 1)[0]}/{override.ours}.py").read()
-    assert attribute in source or "request_timeout" in source
+    assert f"def {override.attribute}(" in source

@@ -1,7 +1,8 @@
 """A learner: the training loop and everything it decides on its own, with no coordinator.
 
 - :mod:`.loop`: the learner's loop (inner steps, fragment rounds, checkpoints, leaving).
-- :mod:`.startup`: start-up (checkpoint directory, DHT, lineage, data, model, restore, averager).
+- :mod:`.startup`: start-up (checkpoint directory, DHT, lineage, data, model, averager).
+- :mod:`.resume`: resuming from a checkpoint (whether it fits, loading it, what was in flight).
 - :mod:`.state`: what a learner holds, shared by its parts (global state per fragment, counters).
 - :mod:`.schedule`: which fragment rounds are due and starting them (the round schedule).
 - :mod:`.phase`: keeping in phase with the swarm's rounds on the steps schedule.

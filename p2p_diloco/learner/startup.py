@@ -1,4 +1,4 @@
-"""Start-up of a learner: checkpoint directory, DHT, lineage id, data, model, restore, averager.
+"""Start-up of a learner: checkpoint directory, DHT, lineage id, data, model, restore (:mod:`.resume`), averager.
 
 The DHT's process (and its p2pd) boots and joins the swarm while this process reads its data and
 builds the model and optimizer: a restart pays the longer of the two, not both. While the rest of the
@@ -24,13 +24,12 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from pydantic import ValidationError
 
 from p2p_diloco import STARTED, __version__, peer_log
-from p2p_diloco.config import ConfigError, LearnerConfig, ModelConfig, NetworkConfig
+from p2p_diloco.config import ConfigError, LearnerConfig, NetworkConfig
 from p2p_diloco.core.fragments import ClockSchedule, build_fragments
 from p2p_diloco.core.grace import GraceWindow
-from p2p_diloco.core.outer import GlobalState, OuterOptimizer, StateFormatError, state_sha256
+from p2p_diloco.core.outer import GlobalState, OuterOptimizer, state_sha256
 from p2p_diloco.core.pace import Pace
 from p2p_diloco.core.state_layout import ServedState, parameter_indices
 from p2p_diloco.errors import LearnerError
@@ -41,8 +40,9 @@ from p2p_diloco.learner.head_start import HeadStart
 from p2p_diloco.learner.metrics import Metrics, first_address, resources
 from p2p_diloco.learner.parting import Leaving
 from p2p_diloco.learner.progress import Progress
+from p2p_diloco.learner.resume import LOCAL_MODEL_FIELDS, check_compatible, restore
 from p2p_diloco.learner.schedule import Rounds
-from p2p_diloco.learner.state import Counters, LearnerState, Unconfirmed
+from p2p_diloco.learner.state import LearnerState
 from p2p_diloco.net.averaging import HivemindAveraging, averaging_prefix, download_priority_key
 from p2p_diloco.net.dht import LinkedDHT, start_dht, wait_until_joined
 from p2p_diloco.net.progress_records import LineageIndex, ProgressBoard, lineages_key, progress_key
@@ -50,7 +50,6 @@ from p2p_diloco.net.reach import CLIENT, DIRECT, Reach, serve_checks
 from p2p_diloco.net.reach import check as check_reach
 from p2p_diloco.net.traffic import read_traffic
 from p2p_diloco.train.checkpoint import (
-    CheckpointError,
     CheckpointWriter,
     claim_checkpoint_dir,
     load_checkpoint,
@@ -66,11 +65,6 @@ from p2p_diloco.trust.commit_board import CommitBoard
 from p2p_diloco.trust.signed_records import IdentityKey
 
 logger = logging.getLogger(__name__)
-
-# Where a model's files lie and whether a learner saves memory are its own business: not the lineage's, and
-# a checkpoint resumes after either changed (the lineage covers the model files' contents instead).
-LOCAL_MODEL_FIELDS = {"path", "activation_checkpointing"}
-
 
 def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, tokenizer: str = "bytes") -> str:
     """Hash of the settings that must agree for two learners to share one lineage of the model.
@@ -187,63 +181,6 @@ def build(cfg: LearnerConfig, tokenizer: Tokenizer | None = None,
     return trainer, state
 
 
-def check_compatible(cfg: LearnerConfig, payload: dict[str, Any], where: Path) -> None:
-    """Refuse (LearnerError) a checkpoint made with another model or number of fragments."""
-    saved = payload["config"]
-    try:  # fields added since the checkpoint was made take their defaults
-        saved_model = ModelConfig.model_validate(saved["model"]).model_dump(exclude=LOCAL_MODEL_FIELDS)
-    except (ValidationError, KeyError, TypeError):
-        saved_model = None
-    same_model = saved_model == cfg.model.model_dump(exclude=LOCAL_MODEL_FIELDS)
-    if not same_model or saved.get("sync", {}).get("fragments", 1) != cfg.sync.fragments:
-        raise LearnerError(f"checkpoint in {where} was made with a different model or fragments")
-
-
-def restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, where: Path) -> int:
-    """Load a checkpoint into the freshly built parts; returns the sampler cursor to apply.
-
-    A checkpoint of the right format whose contents do not fit is one :class:`CheckpointError` line."""
-    try:
-        return _restore(payload, trainer, state, where)
-    except StateFormatError as e:
-        raise CheckpointError(f"checkpoint in {where}: bad global state ({e})") from None
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint in {where} does not fit this learner ({type(e).__name__}: {e}); "
-                              "move it away to start fresh") from None
-
-
-def _restore(payload: dict[str, Any], trainer: Trainer, state: LearnerState, where: Path) -> int:
-    state.states = [state.pin(GlobalState.from_dict(g)) for g in payload["global"]]
-    trainer.model.load_state_dict(payload["model"])
-    trainer.inner_opt.load_state_dict(payload["inner_opt"])
-    state.counters = Counters(**payload["counters"])
-    state.counters.fill_lr_steps()
-    state.changed.update(range(len(state.fragments)))  # θ and the inner optimizer: a unit sends both at start
-    if "lr_position" in payload:  # checkpoints before it restart at version · H
-        try:
-            trainer.lr_position.load(payload["lr_position"])
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint in {where}: bad lr_position ({e})") from None
-    # We may have died in a round after sending our outer gradient, and the others may have
-    # committed it. A round in flight or unconfirmed at the checkpoint is saved with its
-    # snapshot; any other fragment's progress in the checkpoint is all it could have sent.
-    saved = {int(u["fragment"]): u for u in payload.get("unconfirmed", [])}
-    c = state.counters
-    for frag in state.fragments:
-        f = frag.index
-        if f in saved:
-            u = saved[f]
-            lr_steps = u.get("lr_steps")  # checkpoints before it: a share of the fragment's by count
-            state.unconfirmed[f] = Unconfirmed(int(u["version"]), list(u["snapshot"]), int(u["tokens"]),
-                                               int(u["steps"]), None if lr_steps is None else float(lr_steps))
-        elif c.tokens_since_merge[f] > 0:
-            snapshot = state.snapshot(frag)
-            state.unconfirmed[f] = Unconfirmed(state.states[f].version, snapshot, c.tokens_since_merge[f],
-                                               c.steps_since_merge[f], c.lr_steps_since_merge[f])
-    logger.info(f"resumed from {where} at version {state.version}")
-    return int(payload["sampler_cursor"])
-
-
 # Given the trainer, state and data once they are built, and whether a checkpoint was restored into
 # them: the work to do while the DHT joins (None: none).
 HeadStarter = Callable[[Trainer, LearnerState, LocalData, bool], "HeadStart | None"]
@@ -272,7 +209,8 @@ def set_up(cfg: LearnerConfig, faults: FaultHooks, leaving: Leaving, on_commit: 
 
 @dataclass
 class _Local:
-    """What start-up builds before the network: each part whole, nothing written into it afterwards."""
+    """What start-up has before the network: what it read (checkpoint directory, identity, allow-list, the
+    checkpoint itself) and the parts it built from them, each whole."""
     ckpt_dir: Path
     admission: Admission
     identity: Path

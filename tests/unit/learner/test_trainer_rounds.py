@@ -15,8 +15,9 @@ from p2p_diloco.core.grace import GraceWindow
 from p2p_diloco.core.outer import GlobalState, OuterOptimizer
 from p2p_diloco.learner.catch_up import CatchUp
 from p2p_diloco.learner.progress import Progress
+from p2p_diloco.learner.resume import restore
 from p2p_diloco.learner.schedule import Rounds
-from p2p_diloco.learner.startup import build, restore
+from p2p_diloco.learner.startup import build
 from p2p_diloco.learner.state import LearnerState
 from tests.unit.fake_averaging import FakeGroup
 

@@ -161,7 +161,7 @@ def run_hivemind(
     try:
         started = time.perf_counter()
         for d in dhts:
-            avs.append(HivemindAveraging.start(d, template, cfg, prefix=f"bench_{row.size}_{n}"))
+            avs.append(HivemindAveraging(d, template, cfg, prefix=f"bench_{row.size}_{n}").start())
         row.hm_setup_s = time.perf_counter() - started
 
         for r in range(WARMUP_ROUNDS + row.rounds):

@@ -358,7 +358,7 @@ def refuse_bad_input(cfg: LearnerConfig) -> Tokenizer:
 def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, progress: Progress,
                      leaving: Leaving, faults: FaultHooks, client: bool) -> HivemindAveraging:
     state = local.state
-    averaging = HivemindAveraging.start(
+    averaging = HivemindAveraging(
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=averaging_prefix(lineage),
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         training_learners=progress.training_learners,
@@ -367,7 +367,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _L
         step_tokens=cfg.inner.batch_size * cfg.model.seq_len * local.trainer.workers,
         limits=cfg.contribution_limits,
         on_received=state.counters.count_received, on_matchmaking=local.metrics.matchmaking,
-    )
+    ).start()
     averaging.set_state_priority(state.version)
     return averaging
 

@@ -88,7 +88,7 @@ def go_timeout(configured: float, allreduces: Sequence[float], round_timeout: fl
 @dataclass
 class HivemindAveraging:
     """:class:`Averaging` over a hivemind DHT. Also serves and downloads the global state. Made by
-    :meth:`start`, which starts its averager process.
+    ``HivemindAveraging(...).start()``: :meth:`start` starts its averager process.
 
     ``fragments`` lists the tensor indices of each fragment (default: one fragment of everything)
     and ``codecs`` the codec name of each fragment.
@@ -139,15 +139,9 @@ class HivemindAveraging:
         if self.fragments is None:
             self.fragments = [tuple(range(len(self._buffers)))]
 
-    @classmethod
-    def start(cls, *args: Any, **kwargs: Any) -> HivemindAveraging:
-        """Build one (the arguments are the fields') and start its averager process: hivemind's
-        ``DecentralizedAverager`` forks here and joins the DHT's averaging keys."""
-        averaging = cls(*args, **kwargs)
-        averaging._start_averager()
-        return averaging
-
-    def _start_averager(self) -> None:
+    def start(self) -> HivemindAveraging:
+        """Start the averager process (hivemind's ``DecentralizedAverager`` forks here and joins the DHT's
+        averaging keys); returns this object, ready to average."""
         # hivemind logs every failed averaging step as an ERROR with its traceback (in the averager's
         # process); for a learner a dropped round is a normal outcome, reported by the rounds in one
         # WARNING line naming the cause. The traceback stays available at DEBUG.
@@ -181,6 +175,7 @@ class HivemindAveraging:
         )
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, sigint)
+        return self
 
     @property
     def peer_id(self) -> str:

@@ -95,12 +95,12 @@ def test_an_outsider_cannot_read_write_or_download(tmp_path):
         assert second.get("secret", latest=True).value == b"members only"
 
         served = [torch.ones(64, 8), torch.zeros(64, 8)]  # the served layout: parameters, then momentum
-        server = HivemindAveraging.start(first, template, cfg, prefix="private",
-                                         state_provider=lambda: ({"v": 1}, served))
+        server = HivemindAveraging(first, template, cfg, prefix="private",
+                                         state_provider=lambda: ({"v": 1}, served)).start()
         started.append(server)
-        member = HivemindAveraging.start(second, template, cfg, prefix="private")
+        member = HivemindAveraging(second, template, cfg, prefix="private").start()
         started.append(member)
-        spy = HivemindAveraging.start(outsider, template, cfg, prefix="private")
+        spy = HivemindAveraging(outsider, template, cfg, prefix="private").start()
         started.append(spy)
         assert spy.download_state_from(server.peer_id, timeout=5.0) is None
         loaded = member.download_state_from(server.peer_id, timeout=20.0)

@@ -40,8 +40,8 @@ def group():
     try:
         for codec in TOLERANCE:
             averagers[codec] = [
-                HivemindAveraging.start(d, template, cfg, prefix=f"t{codec}", fragments=fragments, codecs=[codec] * 2,
-                                  client_mode=d.client_mode)
+                HivemindAveraging(d, template, cfg, prefix=f"t{codec}", fragments=fragments, codecs=[codec] * 2,
+                                  client_mode=d.client_mode).start()
                 for d in dhts
             ]
         yield template, fragments, averagers
@@ -88,9 +88,9 @@ def test_fragment_download_carries_only_the_fragments_asked_for(group):
     # Served layout: for each fragment, its parameters then its momentum buffers.
     served = [torch.randn(*template[i].shape, generator=g) for f in fragments for i in (*f, *f)]
     meta = {"versions": [4, 9]}
-    server = HivemindAveraging.start(dhts[0], template, cfg, prefix="dl", fragments=fragments,
-                               state_provider=lambda: (meta, served))
-    client = HivemindAveraging.start(dhts[1], template, cfg, prefix="dl", fragments=fragments, client_mode=True)
+    server = HivemindAveraging(dhts[0], template, cfg, prefix="dl", fragments=fragments,
+                               state_provider=lambda: (meta, served)).start()
+    client = HivemindAveraging(dhts[1], template, cfg, prefix="dl", fragments=fragments, client_mode=True).start()
     try:
         for wanted, expect in (([1], served[2:]), ([0], served[:2]), (None, served)):
             loaded = client.download_state_from(server.peer_id, timeout=20.0, fragments=wanted)
@@ -148,7 +148,7 @@ def test_a_groupmate_that_never_joined_the_group_fails_the_round_at_once():
     template = [torch.zeros(1000, 300)]
     dhts = [hivemind.DHT(start=True)]
     dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, client_mode=True))
-    searcher = HivemindAveraging.start(dhts[1], template, cfg, prefix="ghost")
+    searcher = HivemindAveraging(dhts[1], template, cfg, prefix="ghost").start()
     other = OuterGradientAverager(
         [torch.zeros(1000, 300)], dhts[0], fragments=[(0,)], codecs=[get_codec("none")], start=True, prefix="ghost",
         min_group_size=2, target_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,

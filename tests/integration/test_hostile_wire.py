@@ -47,7 +47,7 @@ def test_every_malformed_part_and_reply_is_refused_and_the_honest_members_averag
     plan = FaultPlan.parse("; ".join(f"malform at round {v + 1} with {kind}" for v, kind in enumerate(KINDS)))
     dhts = [hivemind.DHT(start=True)]
     dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(2)]
-    members = [HivemindAveraging.start(d, template, cfg, prefix="hostile", codecs=["none"], faults=p)
+    members = [HivemindAveraging(d, template, cfg, prefix="hostile", codecs=["none"], faults=p).start()
                for d, p in zip(dhts, [FaultPlan(), FaultPlan(), plan], strict=True)]
     g = torch.Generator().manual_seed(5)
     deltas = [[torch.randn(*t.shape, generator=g) * (i + 1) for t in template] for i in range(3)]

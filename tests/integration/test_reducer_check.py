@@ -28,7 +28,7 @@ def test_honest_shards_pass_and_a_lying_reducer_is_named_by_every_member(codec, 
     dhts = [hivemind.DHT(start=True)]
     dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(2)]
     plans = [FaultPlan(), FaultPlan(), FaultPlan.parse("lie at round 5 with shard")]
-    members = [HivemindAveraging.start(d, template, cfg, prefix="sketch", codecs=[codec], faults=plan)
+    members = [HivemindAveraging(d, template, cfg, prefix="sketch", codecs=[codec], faults=plan).start()
                for d, plan in zip(dhts, plans, strict=True)]
     g = torch.Generator().manual_seed(11)
     deltas = [[torch.randn(*t.shape, generator=g) * (i + 1) for t in template] for i in range(3)]

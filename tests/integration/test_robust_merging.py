@@ -35,7 +35,7 @@ def test_the_group_leaves_out_a_bad_contribution_and_the_rest_get_one_average():
     template = [torch.zeros(200, 30), torch.zeros(7)]
     dhts = [hivemind.DHT(start=True)]
     dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(3)]
-    members = [HivemindAveraging.start(d, template, cfg, prefix="robust") for d in dhts]
+    members = [HivemindAveraging(d, template, cfg, prefix="robust").start() for d in dhts]
     g = torch.Generator().manual_seed(5)
     deltas = [[torch.randn(*t.shape, generator=g) for t in template] for _ in range(4)]
     weights = [1.0, 2.0, 3.0, 4.0]

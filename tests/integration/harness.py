@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from p2p_diloco.learner.audit import FILENAME
 from p2p_diloco.sim.processes import LOOPBACK_ANY_PORT, Proc, cli, start_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,7 @@ def audit_events(proc: Proc, *events: str) -> list[dict]:
     """The events of ``proc``'s audit log so far (``audit.jsonl`` in its ``--checkpoint-dir``), those named in
     ``events`` only if any are; a line still being written is skipped."""
     argv = list(proc.popen.args)
-    path = Path(argv[argv.index("--checkpoint-dir") + 1]) / "audit.jsonl"
+    path = Path(argv[argv.index("--checkpoint-dir") + 1]) / FILENAME
     if not path.exists():
         return []
     found = []

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from p2p_diloco.sim.processes import wait_until
 
-from .harness import ROOT, committed_version
+from .harness import ROOT, audit_events, committed_version
 
 
 def _free_port() -> int:
@@ -103,9 +103,9 @@ def test_status_and_metrics_during_a_run(swarm):
     assert 1 <= last[("p2p_diloco_matchmaking_seconds_count", ())] <= committed + 1
     assert 1.0 in peers_visible, peers_visible  # the other learner
     assert last[("p2p_diloco_refusals_total", (("kind", "download_rejected"),))] == 0
-    audit = [json.loads(line) for line in (swarm.tmp / "ckpt-0" / "audit.jsonl").read_text().splitlines()]
+    joined = audit_events(learners[0], "peer_joined")
     other = swarm.summary(1)["peer_id"]
-    assert [e["peer"] for e in audit if e["event"] == "peer_joined"] == [other], audit
+    assert [e["peer"] for e in joined] == [other], joined
     info = [labels for (n, labels), _ in last.items() if n == "p2p_diloco_learner_info"]
     assert info and ("peer_id", s["peer_id"]) in info[0]
 

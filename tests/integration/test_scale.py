@@ -1,10 +1,11 @@
-"""More learners than one group's target (issue 19): with a majority quorum, learners whose
+"""More learners than one group's target: with a majority quorum, learners whose
 ``averaging.target_group_size`` is below half the swarm still never commit one version twice."""
 
-import json
 from collections import defaultdict
 
 import pytest
+
+from .harness import audit_events
 
 
 @pytest.mark.timeout(480)
@@ -19,12 +20,9 @@ def test_eight_learners_with_groups_of_four_keep_one_state_per_version(swarm):
     for p in learners:
         assert p.wait(420) == 0, p.text()
     results: dict[tuple[int, int], set[str]] = defaultdict(set)
-    for i in range(8):
-        for line in (swarm.tmp / f"ckpt-{i}" / "audit.jsonl").read_text().splitlines():
-            e = json.loads(line)
-            if e.get("event") == "committed":
-                key = (e["fragment"], e["version_after"])
-                results[key].add(e["sha_after"])
+    for p in learners:
+        for e in audit_events(p, "committed"):
+            results[(e["fragment"], e["version_after"])].add(e["sha_after"])
     assert results, "no round was committed"
     # After every round, one global state per fragment version: every learner that committed it holds the same.
     assert all(len(shas) == 1 for shas in results.values()), dict(results)

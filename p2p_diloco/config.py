@@ -167,6 +167,10 @@ class AveragingConfig(_Section):
                                  "of the other contributions' norms (p2p_diloco/core/exclusion.py); 0 disables")
     max_contribution_norm: float | None = Field(
         None, gt=0.0, description="clip each contribution to this norm before it is averaged; None = no clipping")
+    direction_check: bool = Field(
+        True, description="leave out of a round, from 3 contributors on, an outer gradient that points away from most "
+                          "of the others' (a learner that climbs the loss): each member gathers a 128-value sketch of "
+                          "its outer gradient (p2p_diloco/core/directions.py)")
     ban_rounds: int = Field(3, ge=0, le=1000, description="how many of this learner's next rounds it bans a peer "
                                                            "it saw excluded for a bad contribution (a ban counts "
                                                            "when a majority of the group holds it)")

@@ -35,6 +35,9 @@ class FaultHooks:
         """The outer gradient this learner sends in ``round_`` (``poison``)."""
         return list(deltas)
 
+    def inner_gradients(self, params: Sequence[torch.Tensor], round_: int) -> None:
+        """Change the loss gradients of an inner step toward ``round_`` before clipping (``poison ... with climb``)."""
+
     def gathered_weight(self, weight: float, round_: int) -> float:
         """The weight this learner gathers for its outer gradient in ``round_`` (``lie ... with weight``)."""
         return weight

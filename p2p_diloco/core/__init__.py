@@ -9,6 +9,7 @@ any import of hivemind, ``torch.distributed`` or another subpackage).
 - :mod:`.merging`: how contributions are weighted (tokens) and combined.
 - :mod:`.aggregators`: robust aggregators (mean, median, trimmed mean) a reducer applies to its shard.
 - :mod:`.exclusion`: which contributions a round leaves out, decided alike by every member.
+- :mod:`.directions`: a count sketch of each outer gradient, and who points away from the others.
 - :mod:`.shard_sketches`: random projections that check what a reducer returned.
 - :mod:`.grace`: the adaptive grace window after the quorum.
 - :mod:`.pace`: the round period and overlap from measurements (``sync.pace = "auto"``).

@@ -30,9 +30,13 @@ The rule, applied to the members in sorted peer-id order:
    norm equal to f times the median stays in. In a pair the rule bets on the smaller norm: the failures seen
    in practice (diverging training, exploding updates, NaN) make norms larger, and a stalled learner's small
    outer gradient does little harm when averaged in.
-3. **Banned.** Each member publishes the peers *it* excluded under rules 1-2 in its recent
+3. **Direction.** With ``direction_check`` on, every member gathers a count sketch of its outer gradient
+   (``direction``, :mod:`p2p_diloco.core.directions`); from three members with a sketch on, a member whose
+   outer gradient points away from a strict majority of the others' (a learner that climbs the loss) is
+   excluded. A member that gathers no valid sketch while the rule is on is excluded as malformed.
+4. **Banned.** Each member publishes the peers *it* excluded under rules 1-3 in its recent
    rounds (``bans``, kept by :class:`Bans`). A member is excluded when a strict majority of the
-   other members that passed rules 1-2 list it. Only those members vote, so a broken or outlying
+   other members that passed rules 1-3 list it. Only those members vote, so a broken or outlying
    member cannot ban anyone, and a single member cannot ban an honest majority away.
 
 A member that gathered no ``weight`` counts with hivemind's default weight 1.0; one that gathered
@@ -77,6 +81,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from p2p_diloco.core import directions
 from p2p_diloco.core.aggregators import AGGREGATORS
 from p2p_diloco.core.merging import token_weight
 
@@ -111,6 +116,7 @@ class Rules:
     max_steps: int | None = None
     weighting: str = "tokens2_per_step"
     warmup_steps: int = 0  # the inner lr's warm-up W (``inner.warmup_steps``): bounds a member's ``lr_steps``
+    direction_check: bool = False  # rule 3 (``averaging.direction_check``)
 
     def bounded_by(self, tokens_per_step: int | None, steps_per_outer: int, weighting: str,
                    warmup_steps: int = 0) -> Rules:
@@ -126,7 +132,7 @@ class Rules:
     def gathered(self) -> list[float | int | str | None]:
         """The form a member gathers to its group."""
         return [float(self.norm_outlier_factor), self.max_contribution_norm, self.aggregator,
-                self.tokens_per_step, self.max_steps, self.weighting, self.warmup_steps]
+                self.tokens_per_step, self.max_steps, self.weighting, self.warmup_steps, self.direction_check]
 
     def peak_share(self, version: int) -> float:
         """The largest (lr / peak lr)² an honest step on ``version`` can have taken: a learner's lr follows the
@@ -148,7 +154,7 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
 
     Raises :class:`RulesDisagree` when members gathered different or malformed rules.
 
-    >>> rules = [4.0, None, "median", 1024, 40, "tokens2_per_step", 0]
+    >>> rules = [4.0, None, "median", 1024, 40, "tokens2_per_step", 0, True]
     >>> agreed_rules({"a": {"rules": rules}, "b": {"rules": rules}}, Rules()).max_steps
     40
     """
@@ -158,7 +164,8 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
     (only,) = seen
     if only is None:
         return default
-    if not isinstance(only, tuple) or len(only) != 7 or only[2] not in AGGREGATORS or only[5] not in WEIGHTINGS:
+    if (not isinstance(only, tuple) or len(only) != 8 or only[2] not in AGGREGATORS or only[5] not in WEIGHTINGS
+            or not isinstance(only[7], bool)):
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
     factor, cap = _number(only[0]), None if only[1] is None else _number(only[1])
     tokens_per_step, max_steps, warmup_steps = only[3], only[4], only[6]
@@ -168,15 +175,18 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
             or (tokens_per_step is not None and not count(tokens_per_step))
             or count(warmup_steps) is None):
         raise RulesDisagree(f"malformed robust-merging rules {only!r}")
-    return Rules(factor, cap, str(only[2]), tokens_per_step, max_steps, str(only[5]), warmup_steps)
+    return Rules(factor, cap, str(only[2]), tokens_per_step, max_steps, str(only[5]), warmup_steps, only[7])
 
 
 @dataclass(frozen=True)
 class Exclusion:
-    """Why one member's contribution is left out; ``banned``: only because groupmates ban it."""
+    """Why one member's contribution is left out; ``banned``: only because groupmates ban it; ``evidence``: what
+    it gathered shows the fault (False for metadata that does not carry its signature: the leader that relays
+    it may have changed it, so the member is left out of this round but nobody bans it for that)."""
 
     why: str
     banned: bool = False
+    evidence: bool = True
 
 
 @dataclass(frozen=True)
@@ -228,8 +238,10 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
     rules = _with_step_tokens(gathered, rules)
     for peer in sorted(gathered):
         meta = gathered[peer]
-        why = (forged or {}).get(peer) or _broken(meta)
-        if why:
+        if forgery := (forged or {}).get(peer):
+            excluded[peer] = Exclusion(forgery, evidence=False)
+            continue
+        if why := _broken(meta):
             excluded[peer] = Exclusion(why)
             continue
         weight = _number(meta.get("weight", 1.0))
@@ -251,6 +263,8 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
             others = [r for q, r in rates.items() if q != peer]
             if others and rate > rules.norm_outlier_factor * (median := statistics.median(others)):
                 excluded[peer] = Exclusion(_outlier(rate, median, rules.norm_outlier_factor))
+    if rules.direction_check:
+        excluded.update(_directions(gathered, [p for p in sorted(weights) if p not in excluded]))
     voters = [p for p in sorted(weights) if p not in excluded]
     for peer in voters:
         electors = [q for q in voters if q != peer]
@@ -270,7 +284,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
 
 @dataclass
 class Bans:
-    """This learner's short bans: a peer it excluded (rules 1-2) is listed for its next ``rounds`` rounds.
+    """This learner's short bans: a peer it excluded (rules 1-3) is listed for its next ``rounds`` rounds.
 
     The list is gathered to every group (:meth:`listed`); :func:`judge` counts it as one vote.
     """
@@ -301,7 +315,7 @@ class Bans:
             return []
         new = []
         for peer, exclusion in sorted(verdict.excluded.items()):
-            if exclusion.banned or peer == me:
+            if exclusion.banned or not exclusion.evidence or peer == me:
                 continue
             if peer not in self._left:
                 new.append(peer)
@@ -392,6 +406,22 @@ def _peak_steps(meta: Mapping[str, Any], rules: Rules) -> float:
     claimed = meta.get("lr_steps")
     # At least a millionth of a peak step per step: a claimed 0 would divide by zero.
     return bound if claimed is None else max(MIN_LR_SHARE * counted, min(float(claimed), bound))
+
+
+def _directions(gathered: Mapping[str, Any], members: list[str]) -> dict[str, Exclusion]:
+    """Rule 3 over the valid ``members``: a malformed sketch, or one that disagrees with most of the others'."""
+    out, sketches = {}, {}
+    for peer in members:
+        sketch = directions.valid(gathered[peer].get("direction"))
+        if sketch is None:
+            out[peer] = Exclusion("its direction sketch is missing or malformed")
+        else:
+            sketches[peer] = sketch
+    if logger.isEnabledFor(logging.DEBUG) and len(sketches) > 1:
+        logger.debug("cosines of the outer gradients' sketches: " + "; ".join(
+            f"{p[-6:]} {' '.join(f'{c:+.2f}' for c in cs)}" for p, cs in sorted(directions.cosines(sketches).items())))
+    out.update({p: Exclusion(why) for p, why in directions.disagreeing(sketches).items()})
+    return out
 
 
 def _outlier(rate: float, median: float, factor: float) -> str:

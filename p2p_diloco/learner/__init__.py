@@ -11,6 +11,7 @@
 - :mod:`.swarm_end`: what the progress records say of the run's end (who finished, who left without us).
 - :mod:`.parting`: leaving (stop signals, parting rounds that hand unmerged steps on).
 - :mod:`.progress`: publishing this learner's progress record, reading the swarm's.
+- :mod:`.healing`: a learner whose training diverges takes the global state back and trains on.
 - :mod:`.head_start`: work done on a thread while the DHT joins the swarm.
 - :mod:`.metrics`: Prometheus metrics and the resource fields of a progress record.
 - :mod:`.audit`: the audit log, one hash-chained, signed JSON line per event.

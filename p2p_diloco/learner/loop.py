@@ -29,6 +29,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from p2p_diloco.core.fragments import due_fragments
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.hooks import NO_FAULTS, FaultHooks
 from p2p_diloco.learner.head_start import HeadStart
+from p2p_diloco.learner.healing import Healing
 from p2p_diloco.learner.parting import Leaving, hand_over, linger
 from p2p_diloco.learner.startup import LocalData, Parts, set_up
 from p2p_diloco.learner.state import LearnerState
@@ -71,6 +73,7 @@ class Learner:
         self._loop_started = time.perf_counter()  # this run's training loop (train_seconds counts earlier runs)
         self._head_losses: list[float] = []  # losses of the inner steps taken during the set-up
         self._head_seconds = 0.0  # the set-up's time spent on them
+        self._healing = Healing(cfg.inner.steps_per_outer)  # a step whose loss is not finite: θ ← Θ (healing.py)
 
     @property
     def parts(self) -> Parts:
@@ -198,14 +201,23 @@ class Learner:
         started = time.perf_counter()
         x, y = data.sampler.next_batch()
         with self.unit.stepping():
-            loss = trainer.step(x, y, state.version)
+            loss = trainer.step(x, y, state.version, on_gradients=self._gradients_hook(state.version + 1))
         if self.cfg.inner.extra_step_seconds:
             time.sleep(self.cfg.inner.extra_step_seconds)
         elapsed = time.perf_counter() - started
         c.compute_seconds += elapsed
+        if self._healing.after_step(loss, state, trainer):
+            c.heals += 1
+            return loss, elapsed  # its tokens are gone with the poisoned θ
         # Each worker of a unit took this step on its own batch.
         c.count_step(x.numel() * trainer.workers, trainer.lr_share())
         return loss, elapsed
+
+    def _gradients_hook(self, round_: int) -> Callable[[Sequence[torch.Tensor]], None] | None:
+        """What an inner step toward ``round_`` does to its gradients before clipping: nothing without faults."""
+        if self.faults is NO_FAULTS or not self.faults:
+            return None
+        return lambda params: self.faults.inner_gradients(params, round_)
 
     def _end_of_outer_step(self, losses: list[float]) -> None:
         p, cfg = self.parts, self.cfg
@@ -290,7 +302,8 @@ class Learner:
         c, states = p.state.counters, p.state.states
         return {
             "peer_id": p.state.peer_id, "shard": p.data.shard, "outer_steps": c.outer_steps,
-            "rounds_failed": c.rounds_failed, "syncs": c.syncs, "merges": c.merges, "inner_steps": c.inner_steps,
+            "rounds_failed": c.rounds_failed, "heals": c.heals, "syncs": c.syncs, "merges": c.merges,
+            "inner_steps": c.inner_steps,
             "steps_merged": c.steps_merged, "tokens": c.tokens, "bytes_sent": c.bytes_sent,
             "bytes_received": c.bytes_received,
             "compute_seconds": c.compute_seconds, "train_seconds": c.train_seconds,

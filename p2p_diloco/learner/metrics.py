@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from p2p_diloco.errors import LearnerError
-from p2p_diloco.net.progress_records import MAX_ADDRESS
+from p2p_diloco.net.progress_records import MAX_ADDRESS, MAX_EXCLUDED
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ _TOTALS = {
     "download_seconds": "wall time of background state downloads",
     "syncs": "global states downloaded from peers",
     "merges": "sibling lineages merged (split brain)",
+    "heals": "inner steps whose loss was not finite: the learner took the global state back",
 }
+EXCLUSION_ROUNDS = 20  # the rounds a progress record's ``excluded`` looks back on
 _ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 # Audit events that are refusals of what a peer sent or said, counted by kind (besides the round's exclusions).
 REFUSALS = ("download_rejected", "distrusted")
@@ -86,6 +89,8 @@ class Metrics:
         self._dht_seen: dict[tuple[str, str], int] = {}
         self._info = Info("p2p_diloco_learner", "who this learner is", registry=r)
         self.last_eval_loss: float | None = None
+        # The peers each of this learner's last EXCLUSION_ROUNDS rounds left out (ids' last 8 characters).
+        self._excluded_recent: collections.deque[frozenset[str]] = collections.deque(maxlen=EXCLUSION_ROUNDS)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Callable[[], None]:
         """Serve the metrics on ``addr:port`` from a daemon thread; returns the function that stops it.
@@ -134,6 +139,13 @@ class Metrics:
         self._group.set(out.group_size)
         if out.excluded:
             self._refusals.labels(kind="excluded").inc(len(out.excluded))
+        self._excluded_recent.append(frozenset(p[-8:] for p in out.excluded))
+
+    def recent_exclusions(self) -> tuple[tuple[str, int], ...]:
+        """The peers this learner's last rounds left out and in how many of them, most often first (at most
+        :data:`~p2p_diloco.net.progress_records.MAX_EXCLUDED`): its progress record shows them to `status`."""
+        counts = collections.Counter(p for peers in self._excluded_recent for p in peers)
+        return tuple(sorted(counts.items(), key=lambda pc: (-pc[1], pc[0]))[:MAX_EXCLUDED])
 
     def matchmaking(self, seconds: float) -> None:
         """A round's group formed ``seconds`` after it started looking (the averaging's ``on_matchmaking``)."""
@@ -189,5 +201,6 @@ def resources(trainer: Trainer, counters: Counters, started: float, metrics: Met
         "cpu_cores": os.cpu_count() or 0, "tokens_per_second": c.tokens / busy if busy > 0 else 0.0,
         "tokens_contributed": max(0, round(c.tokens - sum(c.tokens_since_merge) / fragments)),
         "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received, "uptime": time.monotonic() - started,
-        "eval_loss": loss, "reach": reach, "address": address,
+        "eval_loss": loss, "reach": reach, "address": address, "excluded": metrics.recent_exclusions(),
+        "heals": counters.heals,
     }

@@ -144,10 +144,16 @@ class Progress:
         return {p: r for p, r in self.records(fresh).items() if p != self.state.peer_id and self._trusted(p)}
 
     def newest_live_version(self, fragment: int = 0) -> int:
-        """The newest version of ``fragment`` any other live, trusted learner holds (a fresh DHT lookup;
-        called from the round thread, so it leaves the training loop's cached records alone)."""
+        """The newest version of ``fragment`` any other live, trusted learner that serves its state holds (a fresh
+        DHT lookup; called from the round thread, so it leaves the training loop's cached records alone).
+
+        A round's matchmaking is cancelled on it, so only a claim that can be checked counts: a learner that
+        serves its state is downloaded from when it claims to be ahead (catch_up.py), and one that serves less
+        than it claimed is distrusted. A client's or relayed learner's record is never downloaded from: a claim
+        there would cancel every round and never be found out (docs/security.md, "Claims to be ahead")."""
         return max((r.fragment_version(fragment) for p, r in self.board.read().items()
-                    if p != self.state.peer_id and r.status != "left" and self._trusted(p)), default=0)
+                    if p != self.state.peer_id and r.status != "left" and self._trusted(p)
+                    and reduces_and_serves(r.reach)), default=0)
 
     def start(self) -> None:
         """Start the heartbeat thread; call it once."""

@@ -28,6 +28,7 @@ class Counters:
     outer_steps: int = 0  # fragment rounds this learner committed
     steps_merged: float = 0.0  # inner steps whose progress entered the global model (counted per fragment round / P)
     rounds_failed: int = 0
+    heals: int = 0  # inner steps whose loss was not finite: θ taken back from Θ (healing.py)
     syncs: int = 0
     merges: int = 0  # sibling lineages (split brain) this learner merged
     bytes_sent: int = 0

@@ -146,7 +146,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         # Mirrors DecentralizedAverager._aggregate_with_group, restricted to one fragment's tensors.
         formed = time.time()  # the group has formed: the learner's matchmaking time ends here (wall clock)
         try:
-            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            _bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
             fragment = _agreed_fragment(gathered, len(self._fragments))
             mine = gathered.get(self.peer_id)
@@ -160,10 +160,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
             self._check_quorum(verdict, group_info, gathered)
             excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]
             modes = tuple(map(AveragingMode, mode_ids))
-            download_bandwidths = [  # an excluded member reduces no shard
-                thr if mode != AveragingMode.CLIENT and not out else 0.0
-                for thr, mode, out in zip(bandwidths, modes, excluded, strict=True)
-            ]
+            download_bandwidths = reducer_shares(group_info.peer_ids, modes, excluded, named)
             indices = self._fragments[fragment]
             size = sum(self._averaged_tensors[i].numel() for i in indices)
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
@@ -339,6 +336,29 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         except Exception as e:  # noqa: BLE001 - the groupmates will say whose sketch they miss
             logger.debug(f"could not store our sketch under {key}: {e!r}")
         return key
+
+
+def reducer_shares(peer_ids: Sequence[Any], modes: Sequence[AveragingMode], excluded: Sequence[bool],
+                   named: dict[str, Any]) -> list[float | None]:
+    """What each member counts as in hivemind's load balancing: None (an equal share of the fragment) for a
+    member that reduces, 0.0 for one that does not (a client, or excluded).
+
+    The bandwidths and modes in hivemind's gathered tuples are outside the members' signatures: a leader
+    could set the others' to 0 (or to CLIENT) and reduce the whole fragment itself. So bandwidths are
+    ignored (learners declare none), and whether a member reduces is what its own signed metadata says
+    (``reduces``), the gathered mode only for metadata without it.
+
+    >>> reducer_shares(["a", "b"], [AveragingMode.CLIENT, AveragingMode.CLIENT], [False, False],
+    ...                {"a": {"reduces": True}, "b": {"reduces": False}})
+    [None, 0.0]
+    """
+    out: list[float | None] = []
+    for peer, mode, left_out in zip(peer_ids, modes, excluded, strict=True):
+        meta = named.get(str(peer))
+        said = meta.get("reduces") if isinstance(meta, dict) else None
+        reduces = said if isinstance(said, bool) else mode != AveragingMode.CLIENT
+        out.append(None if reduces and not left_out else 0.0)
+    return out
 
 
 def _runner_roles(peer_ids, peer_fractions, excluded: Sequence[bool], verdict: Verdict,

@@ -30,6 +30,7 @@ from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time, get_logger
 
 from p2p_diloco.config import AveragingConfig, ContributionLimits
+from p2p_diloco.core import directions
 from p2p_diloco.core.averaging_api import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
 from p2p_diloco.core.exclusion import Bans, Rules, Verdict
 from p2p_diloco.core.merging import global_norm
@@ -252,7 +253,8 @@ class HivemindAveraging:
             self._go_timeout = wait
 
     def _rules(self) -> Rules:
-        rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator)
+        rules = Rules(self.cfg.norm_outlier_factor, self.cfg.max_contribution_norm, self.cfg.aggregator,
+                      direction_check=self.cfg.direction_check)
         return rules if self.limits is None else rules.bounded_by(*self.limits)
 
     def _gathered(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict[str, Any],
@@ -261,12 +263,15 @@ class HivemindAveraging:
         if "norm" not in metadata:
             norm = global_norm(deltas)
             metadata = {**metadata, "norm": norm, "finite": math.isfinite(norm)}
+        if self.cfg.direction_check and "direction" not in metadata:  # rule 3 of core/exclusion.py
+            seed = f"{metadata.get('sha256', '')}:{fragment}"  # the state the round starts from: known to all
+            metadata = {**metadata, "direction": directions.sketch(deltas, seed)}
         if self.step_tokens is not None:
             metadata = {**metadata, "step_tokens": int(self.step_tokens)}
         if self.cfg.quorum == "majority":
             metadata = {**metadata, "quorum": self._quorum}
         gathered = {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
-                    "bans": self._bans.listed()}
+                    "bans": self._bans.listed(), "reduces": not self.client_mode}
         key = getattr(self.dht, "signing", None)  # with signed records, the metadata is signed too
         return signed_metadata.sign(gathered, key) if key is not None else gathered
 

@@ -69,10 +69,15 @@ class ProgressRecord:
     period: float = 0.0  # the round period it proposes (sync.pace = auto, p2p_diloco/core/pace.py); 0 none
     switch_period: float = 0.0  # a change of period it has decided (0: none) ...
     switch_at: float = 0.0  # ... and the DHT time from which it applies
+    # What it saw go wrong (detection, shown by `status`): the peers (last 8 characters of their ids) its recent
+    # rounds left out, with how often, at most MAX_EXCLUDED of them; and how often its own training diverged.
+    excluded: tuple[tuple[str, int], ...] = ()
+    heals: int = 0
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
-        return msgpack.packb({**asdict(self), "versions": list(self.versions), "shas": list(self.shas)},
+        return msgpack.packb({**asdict(self), "versions": list(self.versions), "shas": list(self.shas),
+                              "excluded": [list(e) for e in self.excluded]},
                              use_bin_type=True)
 
     def fragment_sha(self, fragment: int) -> str:
@@ -121,6 +126,7 @@ class ProgressRecord:
 
 
 _REACH = ("", *RECORD_VALUES)  # "": a record of an older version
+MAX_EXCLUDED = 8  # peers a record lists as excluded by its learner's recent rounds
 
 
 def _resources(obj: dict) -> dict:
@@ -131,7 +137,13 @@ def _resources(obj: dict) -> dict:
         if not (isinstance(value, str) and len(value) <= longest and value.isprintable()):
             raise RecordError(f"bad {name}")
         out[name] = value
-    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent", "bytes_received"):
+    excluded = obj.get("excluded", [])
+    if not (isinstance(excluded, list) and len(excluded) <= MAX_EXCLUDED and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= 8 and e[0].isprintable()
+            and isinstance(e[1], int) and not isinstance(e[1], bool) and 0 < e[1] < 2**31 for e in excluded)):
+        raise RecordError(f"bad excluded {str(excluded)[:80]!r}")
+    out["excluded"] = tuple((e[0], e[1]) for e in excluded)
+    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent", "bytes_received", "heals"):
         value = obj.get(name, 0)
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62):
             raise RecordError(f"bad {name} {value!r}")

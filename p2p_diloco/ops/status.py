@@ -51,6 +51,7 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
                 "share": r.tokens_contributed / merged if merged > 0 else 0.0,
                 "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received, "uptime": r.uptime,
                 "eval_loss": r.eval_loss, "age": max(0.0, now - r.wall_time), "reach": r.reach, "address": r.address,
+                "excluded": [list(e) for e in r.excluded], "heals": r.heals,
             })
         live = [r for r in records.values() if r.status != "left" and r.sha256 != _NO_STATE]
         fragments = []
@@ -60,13 +61,27 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
             fragments.append({"fragment": f, "version": newest, "agree": len(shas) == 1,
                               "learners_at_version": sum(r.fragment_version(f) == newest for r in live)})
         out["lineages"][lineage] = {
-            "learners": learners, "fragments": fragments,
+            "learners": learners, "fragments": fragments, "alerts": _alerts(records),
             "totals": {"learners": len(records), "live": len(live), "merged_tokens": round(merged),
                        "tokens_per_second": sum(r.tokens_per_second for r in live),
                        "tokens_contributed": sum(r.tokens_contributed for r in records.values()),
                        "bytes_sent": sum(r.bytes_sent for r in records.values()),
                        "bytes_received": sum(r.bytes_received for r in records.values())},
         }
+    return out
+
+
+def _alerts(records: Mapping[str, ProgressRecord]) -> list[str]:
+    """What the learners' records say went wrong: peers their recent rounds left out (most reported first, with
+    who reported them), and learners whose own training diverged."""
+    reporters: dict[str, list[str]] = {}
+    for peer, r in records.items():
+        for excluded, rounds in r.excluded:
+            reporters.setdefault(excluded, []).append(f"{peer[-8:]} ({rounds})")
+    out = [f"{excluded} left out of recent rounds by {len(by)} learner(s): {', '.join(sorted(by))}"
+           for excluded, by in sorted(reporters.items(), key=lambda eb: (-len(eb[1]), eb[0]))]
+    out += [f"{peer[-8:]} diverged and took the global state back {r.heals} time(s)"
+            for peer, r in sorted(records.items()) if r.heals]
     return out
 
 
@@ -99,6 +114,8 @@ def render(doc: Mapping[str, Any]) -> Group:
         parts.append(Text(f"{t['live']} live of {t['learners']} learners · {t['tokens_per_second']:,.0f} tokens/s · "
                           f"{t['merged_tokens']:,} tokens merged · {t['bytes_sent'] / 1e6:,.1f} MB sent · "
                           f"{t['bytes_received'] / 1e6:,.1f} MB received · {agree}"))
+        for alert in lin.get("alerts", []):
+            parts.append(Text(f"alert: {alert}", style="bold red"))
     return Group(*parts)
 
 

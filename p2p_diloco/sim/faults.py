@@ -5,7 +5,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     kill at round R during STAGE
     hang for S s at round R during STAGE
     drop for S s at round R during STAGE
-    poison at round R with nan|flip|scale X
+    poison at round R with nan|flip|scale X|climb [N]|diverge
     lie at round R with ahead|state|weight|shard
     malform at round R with KIND
 
@@ -35,6 +35,12 @@ the learner itself trains on, like a machine whose network link goes down.
 from R on (a broken learner stays broken): ``nan`` makes every value NaN (training that diverged),
 ``flip`` negates Δ (a learner that climbs the loss), ``scale X`` multiplies it by X (exploding
 updates). The round then gathers the corrupted Δ's norm, as an honest but broken learner would.
+``climb`` leaves Δ alone and negates the loss gradient of every inner step before it is clipped (a learner
+that climbs the loss through all its inner steps: its Δ has an ordinary norm and points uphill);
+``climb N`` climbs only in the inner steps toward rounds R, R + N, R + 2N, ... and trains honestly in the
+others (a member that switches between honest and hostile rounds). ``diverge`` makes the gradients of
+one inner step toward round R NaN (training that diverges once: the learner heals, learner/healing.py).
+``scale 0`` is a free rider: no progress sent, full tokens claimed.
 ``lie`` makes the learner a malicious member from round R on: ``ahead`` signs progress records that
 claim 1,000 versions more than it holds (a forged "the swarm is ahead"); ``state`` serves a poisoned
 global state, Θ scaled by −50 at a version 3 ahead, whose history lists the states its victims hold
@@ -76,7 +82,8 @@ _LINE = re.compile(
     r"\s+during\s+(?P<stage>[a-z]+)\s*$"
 )
 _POISON = re.compile(
-    r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale)(?:\s+(?P<factor>\S+))?\s*$"
+    r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale|climb|diverge)"
+    r"(?:\s+(?P<factor>\S+))?\s*$"
 )
 _LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>ahead|state|weight|shard)\s*$")
 _MALFORM = re.compile(r"^\s*malform\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<kind>\S+)\s*$")
@@ -164,7 +171,7 @@ class FaultPlan(FaultHooks):
         """
         import torch
         for i, f in enumerate(self.faults):
-            if f.action == "poison" and f.round <= round_:
+            if f.action == "poison" and f.mode not in ("climb", "diverge") and f.round <= round_:
                 if i not in self._fired:
                     self._fired.add(i)
                     print(f"fault injection: poison with {f.mode} from round {f.round}", file=sys.stderr, flush=True)
@@ -172,6 +179,30 @@ class FaultPlan(FaultHooks):
                     return [torch.full_like(d, float("nan")) for d in deltas]
                 return [d * (-1.0 if f.mode == "flip" else f.factor) for d in deltas]
         return list(deltas)
+
+    def climbing(self, round_: int) -> bool:
+        """Whether a ``poison ... with climb [N]`` is due in the inner steps toward ``round_``."""
+        for i, f in enumerate(self.faults):
+            if f.action == "poison" and f.mode == "climb" and f.round <= round_ and (round_ - f.round) % f.factor == 0:
+                if i not in self._fired:
+                    self._fired.add(i)
+                    print(f"fault injection: poison with climb from round {f.round}", file=sys.stderr, flush=True)
+                return True
+        return False
+
+    def inner_gradients(self, params: Sequence[torch.Tensor], round_: int) -> None:
+        for i, f in enumerate(self.faults):
+            if f.action == "poison" and f.mode == "diverge" and f.round <= round_ and i not in self._fired:
+                self._fired.add(i)
+                print(f"fault injection: poison with diverge at round {f.round}", file=sys.stderr, flush=True)
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+                return
+        if self.climbing(round_):
+            for p in params:
+                if p.grad is not None:
+                    p.grad.neg_()
 
     def lying(self, mode: str, round_: int) -> bool:
         """Whether a ``lie ... with mode`` is due at ``round_`` (it lasts from its round on)."""
@@ -241,13 +272,18 @@ def forged_states(states: Sequence[Any]) -> list[Any]:
 def _parse_poison(line: str) -> Fault:
     m = _POISON.match(line)
     if not m:
-        raise FaultPlanError(f"fault {line.strip()!r}: expected 'poison at round R with nan|flip|scale X'")
-    if (m["mode"] == "scale") != (m["factor"] is not None):
-        raise FaultPlanError(f"fault {line.strip()!r}: 'scale' takes a factor ('scale 1e6'), nan and flip none")
+        raise FaultPlanError(
+            f"fault {line.strip()!r}: expected 'poison at round R with nan|flip|scale X|climb [N]|diverge'")
+    takes_factor = m["mode"] in ("scale", "climb")
+    if (m["factor"] is not None and not takes_factor) or (m["mode"] == "scale" and m["factor"] is None):
+        raise FaultPlanError(f"fault {line.strip()!r}: 'scale' takes a factor ('scale 1e6'), 'climb' may take a "
+                             f"period ('climb 2'), the others none")
     try:
         factor = float(m["factor"]) if m["factor"] is not None else 1.0
     except ValueError:
         raise FaultPlanError(f"fault {line.strip()!r}: {m['factor']!r} is not a number") from None
+    if m["mode"] == "climb" and (factor < 1 or factor != int(factor)):
+        raise FaultPlanError(f"fault {line.strip()!r}: 'climb N' takes a whole number of rounds N >= 1")
     return Fault("poison", int(m["round"]), "delta", mode=m["mode"], factor=factor)
 
 

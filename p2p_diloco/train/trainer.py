@@ -29,7 +29,7 @@ import copy
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,13 +231,17 @@ class Trainer:
         self.sharded: ShardedModel | None = None  # the model sharded over a unit's workers (:meth:`join_sharded`)
         logger.info(placement.describe())
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, version: int) -> float:
+    def step(self, x: torch.Tensor, y: torch.Tensor, version: int,
+             on_gradients: Callable[[Sequence[torch.Tensor]], None] | None = None) -> float:
         """One inner step on the batch (x, y) at global ``version``: forward and backward (in micro-batches
         when ``inner.micro_batch_size`` is set), gradient clipping, AdamW at the schedule's lr. Returns the
-        batch's mean loss; on a GPU, reading it waits for the step to finish, so step times are true."""
+        batch's mean loss; on a GPU, reading it waits for the step to finish, so step times are true.
+        ``on_gradients`` sees the parameters between backward and clipping (fault injection)."""
         self.model.train()
         x, y = self.placement.to_device(x), self.placement.to_device(y)
         loss = self._forward_backward(x, y)
+        if on_gradients is not None:
+            on_gradients(self.params)
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.inner.grad_clip)
         self.lr_at = self.lr_position.step(version)
@@ -245,6 +249,14 @@ class Trainer:
         self.inner_opt.step()
         self.meter.add(x.numel() * self.workers)
         return loss.item()
+
+    def restart_optimizer(self) -> None:
+        """A fresh inner optimizer (no moments), re-warmed at its next step as a rejoining learner's is
+        (:meth:`_rewarmed`): what a learner whose training diverged trains on with (learner/healing.py)."""
+        moments = getattr(self.inner_opt, "state", None)
+        if isinstance(moments, dict):
+            moments.clear()
+        self.rewarm_steps, self._rewarmed_steps = None, 0
 
     def lr_share(self) -> float:
         """(lr of the last step / the peak lr ``inner.lr``)²: what that step counts as in the outlier rule

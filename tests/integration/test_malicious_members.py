@@ -51,8 +51,9 @@ def test_honest_learners_are_not_fooled_by_a_lying_member(swarm, lie):
 @pytest.mark.timeout(300)
 def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_weight(swarm):
     """Sign-flipped outer gradients have an ordinary norm (robust merging's exclusion cannot see them),
-    and a weight of 1e15 would make the weighted mean the liar's: the median ignores both."""
-    robust = ["--set", "averaging.aggregator=median"]
+    and a weight of 1e15 would make the weighted mean the liar's: the median ignores both. (The direction
+    check, on by default, would leave the liar out: off here, to show the aggregator alone.)"""
+    robust = ["--set", "averaging.aggregator=median", "--set", "averaging.direction_check=false"]
     swarm.start_bootstrap()
     honest = [swarm.start_learner(i, max_outer_steps=TARGET, extra=robust) for i in range(3)]
     swarm.start_learner(3, max_outer_steps=TARGET,
@@ -70,8 +71,10 @@ def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_
 def test_under_the_mean_a_sign_flipping_member_that_claims_a_huge_weight_counts_as_its_steps_allow(swarm):
     """The default token-weighted mean: the liar's weight of 1e15 is recomputed from its tokens and steps
     (p2p_diloco/core/exclusion.py), so its sign-flipped outer gradient counts like one honest learner's and the
-    three honest ones outweigh it. Unbounded, the same run ended at eval loss 32.0 (docs/security.md)."""
-    liar_id, honest = _three_honest_and_one(swarm, "poison at round 2 with flip; lie at round 2 with weight")
+    three honest ones outweigh it. Unbounded, the same run ended at eval loss 32.0 (docs/security.md). (The
+    direction check, on by default, would leave the liar out: off here, to show the bound alone.)"""
+    liar_id, honest = _three_honest_and_one(swarm, "poison at round 2 with flip; lie at round 2 with weight",
+                                            ["--set", "averaging.direction_check=false"])
     texts = [p.text() for p in honest]
     groups = [e["group_size"] for p in honest for e in audit_events(p, "committed")]
     assert 4 in groups, groups  # the liar was in the rounds: bounded, not left out
@@ -95,13 +98,31 @@ def test_a_reducer_that_returns_a_chosen_shard_is_caught_and_left_out(swarm):
     assert late and 3 in late, late
 
 
-def _three_honest_and_one(swarm, fault: str) -> tuple[str, list[Proc]]:
-    """Three honest learners and one with ``fault`` to version TARGET: the honest ones end on one state
-    with a falling eval loss. The liar's peer id and the honest learners."""
+@pytest.mark.timeout(300)
+def test_a_member_that_climbs_the_loss_is_left_out_under_the_defaults(swarm):
+    """From round 2 on the liar negates the loss gradient of every inner step toward every second round
+    (``climb 2``: hostile and honest rounds in turn). Its outer gradients have an ordinary norm; under the
+    default mean they were committed round after round (eval loss 4.91 against 2.54 clean, benchmarks/poisoning.py).
+    The direction check (p2p_diloco/core/directions.py) leaves it out of its hostile rounds and bans it after them."""
+    liar_id, honest = _three_honest_and_one(swarm, "poison at round 2 with climb 2")
+    texts = [p.text() for p in honest]
+    excluded = [e["excluded"][liar_id] for p in honest for e in audit_events(p, "committed", "failed")
+                if liar_id in (e.get("excluded") or {})]
+    assert any("points away from the others'" in why for why in excluded), "\n".join(t[-3000:] for t in texts)
+    assert any(f"{liar_id[-6:]} is banned from this learner's next" in t for t in texts)
+    # Nobody left out an honest learner.
+    honest_ids = {s for p in honest for e in audit_events(p, "committed") for s in e["contributors"]} - {liar_id}
+    assert not [why for p in honest for e in audit_events(p, "committed", "failed")
+                for peer, why in (e.get("excluded") or {}).items() if peer in honest_ids]
+
+
+def _three_honest_and_one(swarm, fault: str, settings: list[str] | None = None) -> tuple[str, list[Proc]]:
+    """Three honest learners and one with ``fault`` to version TARGET (``settings`` on all four): the honest ones
+    end on one state with a falling eval loss. The liar's peer id and the honest learners."""
     swarm.start_bootstrap()
     liar_id = peer_id_of(swarm.tmp / "ckpt-3" / "identity.key")
-    honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]
-    swarm.start_learner(3, max_outer_steps=TARGET, extra=["--fault", fault])
+    honest = [swarm.start_learner(i, max_outer_steps=TARGET, extra=settings or []) for i in range(3)]
+    swarm.start_learner(3, max_outer_steps=TARGET, extra=[*(settings or []), "--fault", fault])
     for p in honest:
         assert p.wait(240) == 0, p.text()
     summaries = _assert_one_lineage(swarm, range(3), TARGET)

@@ -15,6 +15,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
 from p2p_diloco.config import ConfigError, ModelConfig, OuterConfig, load_learner_config
+from p2p_diloco.core import directions
 from p2p_diloco.core.exclusion import Bans, Exclusion, Rules, RulesDisagree, Verdict, agreed_rules, judge
 from p2p_diloco.core.merging import global_norm, token_weight
 from p2p_diloco.core.outer import GlobalState, OuterOptimizer
@@ -221,6 +222,18 @@ def test_bans_skip_ourselves_and_ban_only_exclusions_and_can_be_off():
     assert off.listed() == []
 
 
+def test_a_member_whose_relayed_metadata_was_changed_is_left_out_but_not_banned():
+    # The leader relays every member's gathered entry: flipping a byte of an honest member's makes it "forged".
+    # That member is left out of the round (what it said cannot be counted), but the evidence points at
+    # whoever relayed it as much as at the member, so no learner bans it: the leader cannot get the honest
+    # members banned by each other.
+    why = "its gathered metadata was changed after it signed it"
+    verdict = judge(_group(1.0, 1.1, 0.9), Rules(8.0), forged={"b": why})
+    assert sorted(verdict.excluded) == ["b"] and not verdict.excluded["b"].evidence
+    bans = Bans(rounds=3)
+    assert bans.after_round(verdict, me="a") == [] and bans.listed() == []
+
+
 def test_clipping_scales_contributions_above_the_cap():
     gathered = _group(1.0, 4.0, 2.0)
     gathered["c"]["unit"] = True  # RDA: parts are unit vectors, the round scales the norm instead
@@ -230,8 +243,8 @@ def test_clipping_scales_contributions_above_the_cap():
 
 
 def _rules(factor=4.0, cap=None, aggregator="mean", per_step=1024, max_steps=40, weighting="tokens2_per_step",
-           warmup=0):
-    return [factor, cap, aggregator, per_step, max_steps, weighting, warmup]
+           warmup=0, direction=False):
+    return [factor, cap, aggregator, per_step, max_steps, weighting, warmup, direction]
 
 
 def test_members_must_agree_on_the_rules():
@@ -253,13 +266,13 @@ def test_members_must_agree_on_the_rules():
 def test_members_must_agree_on_what_bounds_a_contribution():
     """A member with another batch (tokens per step), H (steps) or weighting rule fails the group's round."""
     for theirs in (_rules(per_step=2048), _rules(max_steps=80), _rules(weighting="tokens"),
-                   _rules(per_step=None, max_steps=None), _rules(warmup=100)):
+                   _rules(per_step=None, max_steps=None), _rules(warmup=100), _rules(direction=True)):
         with pytest.raises(RulesDisagree, match="different robust-merging rules"):
             agreed_rules({"a": {"rules": _rules()}, "b": {"rules": theirs}}, Rules())
     for bad in (_rules(per_step=0), _rules(per_step=-1), _rules(per_step=1024.0), _rules(per_step=True),
                 _rules(max_steps=None), _rules(max_steps=2**64 - 1),
                 _rules(weighting="tokens3"), _rules(warmup=-1), _rules(warmup=None), _rules(warmup=1.5),
-                _rules()[:6]):
+                _rules()[:7], _rules(direction=1), _rules(direction=None)):
         with pytest.raises(RulesDisagree, match="malformed"):
             agreed_rules({"a": {"rules": bad}, "b": {"rules": bad}}, Rules())
 
@@ -513,8 +526,10 @@ def test_without_a_swarm_wide_bound_the_lower_median_of_the_members_steps_bounds
 def test_the_learner_gathers_its_own_step_size():
     cfg = load_learner_config(None, [])
     averaging = SimpleNamespace(cfg=cfg.averaging, step_tokens=16 * 128, _bans=None, _rules=lambda: PER_MEMBER,
-                                dht=SimpleNamespace(), _quorum=2)
+                                dht=SimpleNamespace(), _quorum=2, client_mode=False)
     averaging._bans = SimpleNamespace(listed=lambda: [])
     meta = HivemindAveraging._gathered(averaging, [torch.ones(3)], 2.0, {"tokens": 5}, 0)  # type: ignore[arg-type]
     assert meta["step_tokens"] == 16 * 128 and meta["weight"] == 2.0
     assert meta["quorum"] == 2  # a majority quorum (the default) gathers its count
+    assert meta["reduces"] is True  # not a client: it reduces a share (averager_process.reducer_shares)
+    assert len(meta["direction"]) == directions.DIM  # the direction check is on by default

@@ -199,3 +199,16 @@ def test_the_learner_is_told_of_downloaded_bytes_failed_or_not():
     assert averaging._await_download(Done((({"m": 1}, ("t",)), 1234)), 1.0) == ({"m": 1}, ["t"])
     assert averaging._await_download(Done((None, 99)), 1.0) is None
     assert got == [1234, 99]
+
+
+def test_recent_exclusions_count_the_last_rounds_most_often_first():
+    from p2p_diloco.learner.metrics import EXCLUSION_ROUNDS
+
+    m = Metrics()
+    m.round(0, RoundOutcome(Stage.APPLIED, group_size=4, excluded={"12D3KooWclimberAB": "points away"}))
+    m.round(0, RoundOutcome(Stage.APPLIED, group_size=4, excluded={"12D3KooWclimberAB": "x", "12D3KooWnanNANNAN": "y"}))
+    m.round(0, RoundOutcome(Stage.FAILED, reason="no group"))
+    assert m.recent_exclusions() == (("limberAB", 2), ("anNANNAN", 1))  # ids' last 8 characters
+    for _ in range(EXCLUSION_ROUNDS):  # rounds that left nobody out push the old ones out
+        m.round(0, RoundOutcome(Stage.APPLIED, group_size=3))
+    assert m.recent_exclusions() == ()

@@ -89,3 +89,18 @@ def test_the_heartbeat_audits_what_it_sees_and_counts_the_visible():
         progress.stop()
     assert progress.audit.events == [("p1", "joined"), ("p1", "left")]
     assert seen[:2] == [1, 0]
+
+
+def test_only_a_claim_to_be_ahead_that_can_be_checked_cancels_a_round():
+    """A record claiming a newer version cancels matchmaking (newest_live_version) only from a learner others
+    download from, and so check: a client's or relayed learner's claim is never checked, and would stall every
+    round (docs/security.md, "Claims to be ahead")."""
+    records = {ME: _rec(version=3), "liar": _rec(version=1003, reach="client"),
+               "relayed": _rec(version=9, reach="relay"), "old": _rec(version=2, reach=""),
+               "left": _rec("left", version=50)}
+    progress = Progress(SimpleNamespace(read=lambda: records), SimpleNamespace(peer_id=ME), 15.0)
+    assert progress.newest_live_version(0) == 2
+    records["server"] = _rec(version=4)
+    assert progress.newest_live_version(0) == 4
+    progress.distrust("server", 60.0)  # it served less than it claimed (catch_up.py)
+    assert progress.newest_live_version(0) == 2

@@ -14,14 +14,15 @@ def test_resource_fields_roundtrip():
     r = ProgressRecord(2, "a" * 64, 10, versions=(2,), shas=("a" * 64,), device_kind="cuda",
                        device_name="cuda:0 (NVIDIA H200)", workers=8, cpu_cores=16, tokens_per_second=1234.5,
                        tokens_contributed=777, bytes_sent=10**9, bytes_received=3 * 10**9, uptime=3600.0, eval_loss=2.5,
-                       reach="client", address="/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWexample")
+                       reach="client", address="/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWexample",
+                       excluded=(("Ab3dEf9Z", 12), ("x1", 1)), heals=2)
     assert ProgressRecord.decode(r.encode()) == r
 
 
 def test_a_record_of_an_older_version_takes_the_defaults():
     r = ProgressRecord.decode(msgpack.packb(BASE))
     assert (r.device_kind, r.workers, r.tokens_per_second, r.tokens_contributed, r.eval_loss) == ("", 0, 0.0, 0, None)
-    assert (r.bytes_received, r.address) == (0, "")
+    assert (r.bytes_received, r.address, r.excluded, r.heals) == (0, "", (), 0)
 
 
 @pytest.mark.parametrize("field", [
@@ -51,6 +52,16 @@ def test_a_record_of_an_older_version_takes_the_defaults():
     {"eval_loss": float("nan")},
     {"eval_loss": -0.5},
     {"eval_loss": "low"},
+    {"excluded": [["peer", 1]] * 9},  # more than MAX_EXCLUDED
+    {"excluded": [["x" * 9, 1]]},
+    {"excluded": [["", 1]]},
+    {"excluded": [["evil\x1b[2J", 1]]},
+    {"excluded": [["peer", 0]]},
+    {"excluded": [["peer", True]]},
+    {"excluded": [["peer", 1, 2]]},
+    {"excluded": "peer"},
+    {"heals": -1},
+    {"heals": 0.5},
 ])
 def test_hostile_resource_fields_are_refused(field):
     with pytest.raises(RecordError):

@@ -64,3 +64,24 @@ def test_the_table_shows_address_and_traffic():
     assert "/ip4/203.0.113.7/tcp/31337" in text and "/p2p/12D3KooWpeerAAAA" not in text  # the peer has its column
     assert "2.5/4.0" in text and "4.0 MB received" in text
     assert "/ip4/[red]x[/red]/tcp/1" in text  # a peer's text is printed as it is, never read as markup
+
+
+def test_exclusions_and_heals_reported_by_the_records_become_alerts():
+    records = {"12D3KooWpeerAAAA": _rec([4], [A], excluded=(("peerDDDD", 9),)),
+               "12D3KooWpeerBBBB": _rec([4], [A], excluded=(("peerDDDD", 8), ("peerCCCC", 1))),
+               "12D3KooWpeerCCCC": _rec([4], [A], heals=2),
+               "12D3KooWpeerDDDD": _rec([4], [A])}
+    doc = swarm_document("run", {"run-x": records}, now=100.0)
+    alerts = doc["lineages"]["run-x"]["alerts"]
+    assert alerts == ["peerDDDD left out of recent rounds by 2 learner(s): peerAAAA (9), peerBBBB (8)",
+                      "peerCCCC left out of recent rounds by 1 learner(s): peerBBBB (1)",
+                      "peerCCCC diverged and took the global state back 2 time(s)"]
+    assert doc["lineages"]["run-x"]["learners"][1]["excluded"] == [["peerDDDD", 8], ["peerCCCC", 1]]
+    console = Console(record=True, width=200)
+    console.print(render(doc))
+    assert "alert: peerDDDD left out of recent rounds by 2 learner(s)" in console.export_text()
+
+
+def test_a_swarm_where_nothing_went_wrong_has_no_alerts():
+    doc = swarm_document("run", {"run-x": {"p1": _rec([2], [A]), "p2": _rec([2], [A])}}, now=100.0)
+    assert doc["lineages"]["run-x"]["alerts"] == []

@@ -54,11 +54,40 @@ def test_poison_corrupts_the_outer_gradient_from_its_round_on(capsys):
 
 @pytest.mark.parametrize("bad", ["poison at round 2 with scale", "poison at round 2 with nan 3",
                                  "poison at round 2 with scale x", "poison at round 2 with salt",
-                                 "poison at round two with nan"])
+                                 "poison at round two with nan", "poison at round 2 with climb 0",
+                                 "poison at round 2 with climb 1.5", "poison at round 2 with diverge 2"])
 def test_bad_poisons_are_refused_with_one_line(bad):
     with pytest.raises(FaultPlanError) as e:
         FaultPlan.parse(bad)
     assert "\n" not in str(e.value)
+
+
+def test_climbing_negates_inner_gradients_in_its_rounds_and_leaves_the_outer_gradient_alone():
+    plan = FaultPlan.parse("poison at round 3 with climb 2")
+    delta = [torch.ones(2)]
+    assert plan.poison(delta, 3)[0] is delta[0]  # the outer gradient is what the climbing steps made
+    climbing = [r for r in range(1, 9) if plan.climbing(r)]
+    assert climbing == [3, 5, 7]  # from round 3, every second round
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([1.0, -2.0])
+    plan.inner_gradients([p], 4)
+    assert p.grad.tolist() == [1.0, -2.0]  # an honest round
+    plan.inner_gradients([p], 5)
+    assert p.grad.tolist() == [-1.0, 2.0]
+    assert FaultPlan.parse("poison at round 1 with climb").climbing(6)  # without a period: every round
+
+
+def test_diverge_makes_one_inner_step_nan():
+    plan = FaultPlan.parse("poison at round 2 with diverge")
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    plan.inner_gradients([p], 1)
+    assert p.grad.tolist() == [1.0, 1.0]
+    plan.inner_gradients([p], 2)
+    assert torch.isnan(p.grad).all()
+    p.grad = torch.ones(2)
+    plan.inner_gradients([p], 3)  # once: the learner heals and trains on
+    assert p.grad.tolist() == [1.0, 1.0]
 
 
 def test_lies_last_from_their_round_on_and_forge_a_poisoned_state():

@@ -69,11 +69,13 @@ contributions that are left: the token-weighted mean, or a coordinate-wise media
 that ignores the self-reported weights.
 
 The thresholds themselves must be the same at every member, or members would disagree: each
-member gathers its :class:`Rules` and :func:`agreed_rules` refuses a group whose members differ.
+member gathers its :class:`Rules`; :func:`group_rules` takes those of a strict majority and leaves the
+others out (a pair that differs fails its round).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import statistics
@@ -158,10 +160,42 @@ def agreed_rules(gathered: Mapping[str, Any], default: Rules) -> Rules:
     >>> agreed_rules({"a": {"rules": rules}, "b": {"rules": rules}}, Rules()).max_steps
     40
     """
-    seen = {_frozen(m.get("rules") if isinstance(m, dict) else None) for m in gathered.values()}
-    if len(seen) != 1:
-        raise RulesDisagree(f"groupmates gathered different robust-merging rules: {sorted(map(str, seen))}")
-    (only,) = seen
+    rules, dissent = group_rules(gathered, default)
+    if dissent:
+        raise RulesDisagree(f"groupmates gathered different robust-merging rules: {sorted(dissent)}")
+    return rules
+
+
+def group_rules(gathered: Mapping[str, Any], default: Rules) -> tuple[Rules, dict[str, str]]:
+    """The rules a strict majority of the members gathered, and the members that gathered others, with why.
+
+    A member whose rules differ from the majority's is left out of the round (:func:`judge`'s ``dissent``) and
+    banned like any member whose gathered metadata shows a fault: it signed them, so every member can check
+    it, and one member can no longer fail every round it joins by gathering rules of its own. Without a strict
+    majority (a pair that differs), nobody can tell who is wrong: :class:`RulesDisagree` fails the round.
+
+    >>> ours = [4.0, None, "mean", None, None, "tokens", 0, True]
+    >>> theirs = [9.0, *ours[1:]]
+    >>> rules, dissent = group_rules({"a": {"rules": ours}, "b": {"rules": ours}, "c": {"rules": theirs}}, Rules())
+    >>> rules.norm_outlier_factor, sorted(dissent)
+    (4.0, ['c'])
+    """
+    frozen = {p: _frozen(m.get("rules") if isinstance(m, dict) else None) for p, m in gathered.items()}
+    counts = collections.Counter(frozen.values())
+    seen = set(counts)
+    if len(seen) > 1:
+        value, held = max(counts.items(), key=lambda vc: vc[1])
+        if 2 * held <= len(frozen):
+            raise RulesDisagree(f"groupmates gathered different robust-merging rules: {sorted(map(str, seen))}")
+        dissent = {p: f"it gathered other robust-merging rules than the group's majority: {str(v)[:120]}"
+                   for p, v in frozen.items() if v != value}
+        return _parsed_rules(value, default), dissent
+    (only,) = seen or {None}
+    return _parsed_rules(only, default), {}
+
+
+def _parsed_rules(only: Any, default: Rules) -> Rules:
+    """Gathered rules (frozen) as :class:`Rules`; ``default`` for None; :class:`RulesDisagree` when malformed."""
     if only is None:
         return default
     if (not isinstance(only, tuple) or len(only) != 8 or only[2] not in AGGREGATORS or only[5] not in WEIGHTINGS
@@ -219,10 +253,12 @@ class Verdict:
         return 1.0 if peer in self.unit else self.scale(peer)
 
 
-def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] | None = None) -> Verdict:
+def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] | None = None,
+          dissent: Mapping[str, str] | None = None) -> Verdict:
     """Apply the module's rule to a group's gathered metadata (peer id → dict). ``forged``: the members
     whose metadata does not carry their own signature (:mod:`p2p_diloco.trust.signed_metadata`), with why;
-    they are excluded before anything they said counts.
+    they are excluded before anything they said counts (and not banned). ``dissent``: the members that gathered
+    other rules than the group's (:func:`group_rules`), with why; excluded and banned.
 
     >>> meta = lambda n: {"norm": n, "finite": True, "weight": 1.0}
     >>> v = judge({"a": meta(1.0), "b": meta(1.2), "c": meta(100.0), "d": meta(float("nan"))}, Rules(8.0))
@@ -241,7 +277,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
         if forgery := (forged or {}).get(peer):
             excluded[peer] = Exclusion(forgery, evidence=False)
             continue
-        if why := _broken(meta):
+        if why := (dissent or {}).get(peer) or _broken(meta):
             excluded[peer] = Exclusion(why)
             continue
         weight = _number(meta.get("weight", 1.0))

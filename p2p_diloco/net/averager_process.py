@@ -34,7 +34,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.core import shard_sketches
 from p2p_diloco.core.averaging_api import StateProvider
-from p2p_diloco.core.exclusion import Rules, Verdict, agreed_rules, judge
+from p2p_diloco.core.exclusion import Rules, Verdict, group_rules, judge
 from p2p_diloco.hooks import NO_FAULTS, FaultHooks
 from p2p_diloco.net.allreduce import ExactAllReduceRunner
 from p2p_diloco.net.dht import die_with_parent, read_whole_messages, serialize_requests
@@ -154,8 +154,8 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
             named = {str(p): m for p, m in gathered.items()}
             # With signed records every member signs what it gathers: a leader cannot change it in relaying.
             forged = {p: why for p, m in named.items() if self._owner and (why := signed_metadata.forged(p, m))}
-            verdict = judge(named, agreed_rules({p: m for p, m in named.items() if p not in forged}, self._rules),
-                            forged)
+            rules, dissent = group_rules({p: m for p, m in named.items() if p not in forged}, self._rules)
+            verdict = judge(named, rules, forged, dissent)
             self._leave_if_excluded(verdict, group_info, mine, fragment)
             self._check_quorum(verdict, group_info, gathered)
             excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]

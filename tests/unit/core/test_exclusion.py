@@ -16,7 +16,16 @@ from hivemind.proto import averaging_pb2
 
 from p2p_diloco.config import ConfigError, ModelConfig, OuterConfig, load_learner_config
 from p2p_diloco.core import directions
-from p2p_diloco.core.exclusion import Bans, Exclusion, Rules, RulesDisagree, Verdict, agreed_rules, judge
+from p2p_diloco.core.exclusion import (
+    Bans,
+    Exclusion,
+    Rules,
+    RulesDisagree,
+    Verdict,
+    agreed_rules,
+    group_rules,
+    judge,
+)
 from p2p_diloco.core.merging import global_norm, token_weight
 from p2p_diloco.core.outer import GlobalState, OuterOptimizer
 from p2p_diloco.learner.round import OuterRound
@@ -533,3 +542,24 @@ def test_the_learner_gathers_its_own_step_size():
     assert meta["quorum"] == 2  # a majority quorum (the default) gathers its count
     assert meta["reduces"] is True  # not a client: it reduces a share (averager_process.reducer_shares)
     assert len(meta["direction"]) == directions.DIM  # the direction check is on by default
+
+
+def test_a_member_with_rules_of_its_own_is_left_out_and_banned_instead_of_failing_the_round():
+    # Before, one member gathering other rules (or malformed ones) failed every round it joined, for everyone.
+    group = _group(1.0, 1.1, 0.9, 1.2)
+    for peer in "abc":
+        group[peer]["rules"] = _rules()
+    for theirs in (_rules(factor=1e9), _rules(direction=True), "x", None):
+        group["d"]["rules"] = theirs
+        rules, dissent = group_rules(group, Rules())
+        assert rules == agreed_rules({p: group[p] for p in "abc"}, Rules()) and sorted(dissent) == ["d"]
+        verdict = judge(group, rules, dissent=dissent)
+        assert sorted(verdict.excluded) == ["d"] and verdict.excluded["d"].evidence
+        assert "other robust-merging rules" in verdict.excluded["d"].why
+        bans = Bans(rounds=3)
+        assert bans.after_round(verdict, me="a") == ["d"]
+    # Without a strict majority nobody can tell who is wrong: the round fails as before.
+    with pytest.raises(RulesDisagree):
+        group_rules({"a": {"rules": _rules()}, "b": {"rules": _rules(factor=9.0)}}, Rules())
+    with pytest.raises(RulesDisagree, match="malformed"):  # a majority of malformed rules is no rule
+        group_rules({"a": {"rules": "x"}, "b": {"rules": "x"}, "c": {"rules": _rules()}}, Rules())

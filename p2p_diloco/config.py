@@ -285,6 +285,10 @@ class RunConfig(_Section):
                                   "merges and outer steps")
     eval_every: int = Field(1, ge=1, description="outer steps between evals (the progress line's eval_loss and the "
                                                  "stop_at_eval_loss check)")
+    loss_rise_alert: float | None = Field(
+        0.5, gt=0.0, description="warn, and write a loss_rose audit event, when an eval loss is more than this "
+                                 "fraction above the previous one (a committed round that made the model worse: a "
+                                 "poisoned round is visible beyond the loss curve); None: off")
     resume: bool = False
     summary: str | None = None
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -144,8 +145,7 @@ class Learner:
 
     def _log_inner(self, t: Trainer, steps: int, losses: list[float]) -> float:
         """Log the mean loss of the last run.log_every inner steps (returned), the step rate and the lr."""
-        recent = losses[-self.cfg.run.log_every:]
-        mean, h = sum(recent) / len(recent), self.cfg.inner.steps_per_outer
+        mean, h = _finite_mean(losses[-self.cfg.run.log_every:]), self.cfg.inner.steps_per_outer
         logger.info(f"inner {steps % h or h}/{h} loss {mean:.4f} ({t.meter.rates()}, lr {t.inner_opt.lr:.2e} "
                     f"at schedule step {t.lr_at})")
         return mean
@@ -208,6 +208,8 @@ class Learner:
         c.compute_seconds += elapsed
         if self._healing.after_step(loss, state, trainer):
             c.heals += 1
+            self.parts.audit.record("healed", step=c.inner_steps, loss=str(loss),
+                                    versions=[st.version for st in state.states])
             return loss, elapsed  # its tokens are gone with the poisoned θ
         # Each worker of a unit took this step on its own batch.
         c.count_step(x.numel() * trainer.workers, trainer.lr_share())
@@ -224,8 +226,9 @@ class Learner:
         c = p.state.counters
         eval_due = (c.inner_steps // cfg.inner.steps_per_outer) % cfg.run.eval_every == 0
         busy = c.compute_seconds / max(1e-9, c.compute_seconds + c.wait_seconds)
-        train_loss = sum(losses) / max(1, len(losses))
+        train_loss = _finite_mean(losses)
         eval_loss = self.evaluate() if eval_due else None
+        self._watch_loss(eval_loss)
         logger.info(f"outer step done | version {p.state.version} tokens {c.tokens} train_loss {train_loss:.4f} "
                     f"{'' if eval_loss is None else f'eval_loss {eval_loss:.4f} '}compute {busy:.1%} sent "
                     f"{c.bytes_sent / 1e6:.3f} MB total global_tokens {min(s.tokens for s in p.state.states)} "
@@ -247,6 +250,20 @@ class Learner:
         p.progress.publish()
         self.checkpoint()
         self._stop_if_cut_off()
+
+    def _watch_loss(self, eval_loss: float | None) -> None:
+        """An eval loss far above the previous one (``run.loss_rise_alert``): one WARNING line, an audit event and
+        a count in the progress record (`status` shows it), so a round that made the model worse is seen."""
+        p, rise = self.parts, self.cfg.run.loss_rise_alert
+        before = p.metrics.last_eval_loss
+        if eval_loss is None or before is None or rise is None or not eval_loss > before * (1 + rise):
+            return
+        c = p.state.counters
+        c.loss_rises += 1
+        versions = [s.version for s in p.state.states]
+        logger.warning(f"eval loss rose from {before:.4f} to {eval_loss:.4f} (more than {rise:.0%}) at versions "
+                       f"{versions}: a committed round or a state taken from a peer made the model worse")
+        p.audit.record("loss_rose", before=before, after=eval_loss, versions=versions, step=c.inner_steps)
 
     def _stop_if_cut_off(self) -> None:
         """Stop with one line if the learner's DHT or averager process has exited: it would train on alone,
@@ -302,7 +319,8 @@ class Learner:
         c, states = p.state.counters, p.state.states
         return {
             "peer_id": p.state.peer_id, "shard": p.data.shard, "outer_steps": c.outer_steps,
-            "rounds_failed": c.rounds_failed, "heals": c.heals, "syncs": c.syncs, "merges": c.merges,
+            "rounds_failed": c.rounds_failed, "heals": c.heals, "loss_rises": c.loss_rises, "syncs": c.syncs,
+            "merges": c.merges,
             "inner_steps": c.inner_steps,
             "steps_merged": c.steps_merged, "tokens": c.tokens, "bytes_sent": c.bytes_sent,
             "bytes_received": c.bytes_received,
@@ -342,3 +360,10 @@ def write_summary(path: str | Path, summary: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(path)
+
+
+def _finite_mean(losses: Sequence[float]) -> float:
+    """The mean of the finite ``losses`` (a step that diverged was healed, healing.py: its loss is no part of
+    the training's); NaN when none is finite, 0.0 when there are none."""
+    finite = [v for v in losses if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else (math.nan if losses else 0.0)

@@ -49,6 +49,7 @@ _TOTALS = {
     "syncs": "global states downloaded from peers",
     "merges": "sibling lineages merged (split brain)",
     "heals": "inner steps whose loss was not finite: the learner took the global state back",
+    "loss_rises": "evals more than run.loss_rise_alert above the previous one",
 }
 EXCLUSION_ROUNDS = 20  # the rounds a progress record's ``excluded`` looks back on
 _ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -202,5 +203,5 @@ def resources(trainer: Trainer, counters: Counters, started: float, metrics: Met
         "tokens_contributed": max(0, round(c.tokens - sum(c.tokens_since_merge) / fragments)),
         "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received, "uptime": time.monotonic() - started,
         "eval_loss": loss, "reach": reach, "address": address, "excluded": metrics.recent_exclusions(),
-        "heals": counters.heals,
+        "heals": counters.heals, "loss_rises": counters.loss_rises,
     }

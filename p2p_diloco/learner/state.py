@@ -29,6 +29,7 @@ class Counters:
     steps_merged: float = 0.0  # inner steps whose progress entered the global model (counted per fragment round / P)
     rounds_failed: int = 0
     heals: int = 0  # inner steps whose loss was not finite: θ taken back from Θ (healing.py)
+    loss_rises: int = 0  # evals more than run.loss_rise_alert above the previous one (loop.py)
     syncs: int = 0
     merges: int = 0  # sibling lineages (split brain) this learner merged
     bytes_sent: int = 0

@@ -73,6 +73,7 @@ class ProgressRecord:
     # rounds left out, with how often, at most MAX_EXCLUDED of them; and how often its own training diverged.
     excluded: tuple[tuple[str, int], ...] = ()
     heals: int = 0
+    loss_rises: int = 0  # its evals that rose more than its run.loss_rise_alert above the previous one
 
     def encode(self) -> bytes:
         """The msgpack bytes stored in the DHT."""
@@ -143,7 +144,8 @@ def _resources(obj: dict) -> dict:
             and isinstance(e[1], int) and not isinstance(e[1], bool) and 0 < e[1] < 2**31 for e in excluded)):
         raise RecordError(f"bad excluded {str(excluded)[:80]!r}")
     out["excluded"] = tuple((e[0], e[1]) for e in excluded)
-    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent", "bytes_received", "heals"):
+    for name in ("workers", "cpu_cores", "tokens_contributed", "bytes_sent", "bytes_received", "heals",
+                 "loss_rises"):
         value = obj.get(name, 0)
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62):
             raise RecordError(f"bad {name} {value!r}")
@@ -166,6 +168,10 @@ def _resources(obj: dict) -> dict:
     return out
 
 
+REJECTION_LOG_SECONDS = 300.0  # a peer's malformed record is logged at WARNING at most this often (the same reason)
+MAX_REJECTED_LOGGED = 1024  # peers whose last rejection is remembered
+
+
 class ProgressBoard:
     """Publish this learner's record and read everyone's."""
 
@@ -174,6 +180,7 @@ class ProgressBoard:
         ``index``: the run's lineage index, where ``lineage`` is refreshed with each record."""
         self.dht, self.key, self.ttl = dht, progress_key(lineage), ttl
         self._peer_key, self._index, self._lineage = owner, index, lineage
+        self._rejected: dict[str, tuple[str, float]] = {}  # peer → the last rejection logged at WARNING, and when
 
     def publish(self, record: ProgressRecord) -> bool:
         """Store ``record``, stamped with the wall time, under our subkey for ``ttl`` seconds.
@@ -212,8 +219,21 @@ class ProgressBoard:
             try:
                 records[peer] = ProgressRecord.decode(item.value)
             except (RecordError, AttributeError) as e:
-                logger.warning(f"rejected progress record from {peer}: {e}")
+                self._reject(peer, str(e))
         return records
+
+    def _reject(self, peer: str, why: str) -> None:
+        """Log a rejected record: at WARNING once per peer and reason each :data:`REJECTION_LOG_SECONDS` (records are
+        read every second while a round forms: a peer that keeps a malformed record must not flood the log)."""
+        last = self._rejected.get(peer)
+        now = time.monotonic()
+        if last is not None and last[0] == why and now - last[1] < REJECTION_LOG_SECONDS:
+            logger.debug(f"rejected progress record from {peer}: {why}")
+            return
+        if len(self._rejected) >= MAX_REJECTED_LOGGED and peer not in self._rejected:
+            self._rejected.pop(next(iter(self._rejected)))
+        self._rejected[peer] = (why, now)
+        logger.warning(f"rejected progress record from {peer}: {why}")
 
 
 class LineageIndex:

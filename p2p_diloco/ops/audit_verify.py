@@ -154,6 +154,7 @@ class Report:
     certified: int
     unverifiable: list[str]
     excluded: set[tuple[Any, ...]]  # (fragment, version, peer) whose contribution a round left out
+    healed: Counter[str] = field(default_factory=Counter)  # learner → inner steps whose loss was not finite
     # what learners saw others do: event ("joined", "left", "gone") → {peer → how many logs saw it, how often}
     peers_seen: dict[str, Counter[str]] = field(default_factory=dict)
 
@@ -175,6 +176,9 @@ class Report:
             who = Counter(str(peer)[-8:] for _, _, peer in self.excluded)
             out.append(f"contributions excluded from rounds: {len(self.excluded)} ("
                        + ", ".join(f"{p} × {n}" for p, n in who.most_common()) + ")")
+        if self.healed:
+            out.append("learners whose training diverged and took the global state back: "
+                       + ", ".join(f"{p[-8:]} × {n}" for p, n in self.healed.most_common()))
         if any(self.peers_seen.values()):
             seen = {e: self.peers_seen.get(e, Counter()) for e in PEER_EVENTS}
             out.append("seen by the learners: " + ", ".join(
@@ -246,6 +250,7 @@ def cross_check(chains: list[Chain], strict: bool = False) -> Report:
                   + sum(bool(e.get("distrusted")) for c in chains for _, e in c.events("download_rejected")),
                   merges=sum(len(c.events("merged")) for c in chains),
                   traced=traced, certified=certified, unverifiable=unverifiable, excluded=excluded,
+                  healed=Counter({c.peer_id: len(c.events("healed")) for c in chains if c.events("healed")}),
                   peers_seen={e: Counter(str(x.get("peer"))[-8:] for c in chains for _, x in c.events(f"peer_{e}"))
                               for e in PEER_EVENTS})
 

@@ -52,6 +52,7 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
                 "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received, "uptime": r.uptime,
                 "eval_loss": r.eval_loss, "age": max(0.0, now - r.wall_time), "reach": r.reach, "address": r.address,
                 "excluded": [list(e) for e in r.excluded], "heals": r.heals,
+                "loss_rises": r.loss_rises,
             })
         live = [r for r in records.values() if r.status != "left" and r.sha256 != _NO_STATE]
         fragments = []
@@ -73,7 +74,7 @@ def swarm_document(run_id: str, lineages: Mapping[str, Mapping[str, ProgressReco
 
 def _alerts(records: Mapping[str, ProgressRecord]) -> list[str]:
     """What the learners' records say went wrong: peers their recent rounds left out (most reported first, with
-    who reported them), and learners whose own training diverged."""
+    who reported them), learners whose own training diverged, and learners whose eval loss rose sharply."""
     reporters: dict[str, list[str]] = {}
     for peer, r in records.items():
         for excluded, rounds in r.excluded:
@@ -82,6 +83,8 @@ def _alerts(records: Mapping[str, ProgressRecord]) -> list[str]:
            for excluded, by in sorted(reporters.items(), key=lambda eb: (-len(eb[1]), eb[0]))]
     out += [f"{peer[-8:]} diverged and took the global state back {r.heals} time(s)"
             for peer, r in sorted(records.items()) if r.heals]
+    out += [f"{peer[-8:]} saw its eval loss rise sharply after a round {r.loss_rises} time(s)"
+            for peer, r in sorted(records.items()) if r.loss_rises]
     return out
 
 

@@ -180,6 +180,7 @@ def _swarm_logs(tmp_path, keys, b_sha: str = SHA1) -> list[Path]:
               sha_after=SHA1, certificate="verified")
     lc.record("adopted", fragment=0, version_before=1, sha_before=SHA1, version=2, sha=SHA2, version_after=2,
               sha_after=SHA2, certificate="not checked")
+    lc.record("healed", step=17, loss="nan", versions=[2])
     for log in (la, lb, lc):
         log.close()
     return dirs
@@ -193,6 +194,7 @@ def test_learners_are_cross_checked_and_summarised(tmp_path, keys, capsys):
     text = "\n".join(report.lines())
     assert "75.0%" in text and "25.0%" in text, text  # contribution shares by group tokens
     assert "contributions excluded from rounds: 1" in text and "groupmate … holds version N sha …" in text, text
+    assert f"took the global state back: {keys[2][1][-8:]} × 1" in text, text
     assert cli_main(["audit", "verify", *map(str, dirs)]) == 0
     assert "3 audit log(s) consistent" in capsys.readouterr().out
     assert cli_main(["audit", "verify", "--strict", *map(str, dirs)]) == 1

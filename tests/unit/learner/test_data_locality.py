@@ -58,4 +58,4 @@ def test_a_progress_record_holds_progress_and_resources():
         "version", "sha256", "tokens", "status", "wall_time", "versions", "shas", "device_kind", "device_name",
         "workers", "cpu_cores", "tokens_per_second", "tokens_contributed", "bytes_sent", "uptime", "eval_loss",
         "reach", "bytes_received", "address", "period", "switch_period", "switch_at",
-        "excluded", "heals"}  # what it saw go wrong: peers its rounds left out, its own divergences
+        "excluded", "heals", "loss_rises"}  # what it saw go wrong: peers its rounds left out, its own divergences

@@ -87,3 +87,26 @@ def test_divergences_far_apart_are_each_healed():
         state.counters.inner_steps += WINDOW_ROUNDS * H
     assert healing.heals == 2 * MAX_HEALS
     assert not healing.after_step(1.0, state, trainer)
+
+
+def test_an_eval_loss_far_above_the_last_one_is_reported(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from p2p_diloco.learner.loop import Learner
+    from p2p_diloco.learner.metrics import Metrics
+
+    cfg, _, state = _learner()
+    events = []
+    metrics = Metrics()
+    parts = SimpleNamespace(metrics=metrics, state=state, audit=SimpleNamespace(record=lambda e, **f: events.append(e)))
+    learner = SimpleNamespace(parts=parts, cfg=cfg)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner.loop"):
+        for loss in (5.5, 3.3, 3.1, 4.0, 14.85, 2.9, float("nan"), 2.8):  # 14.85: a poisoned round's (security.md)
+            Learner._watch_loss(learner, loss)  # type: ignore[arg-type]
+            metrics.last_eval_loss = loss
+    assert state.counters.loss_rises == 1 and events == ["loss_rose"]  # 3.1 → 4.0 is within the default 50%
+    assert [r.getMessage()[:40] for r in caplog.records] == ["eval loss rose from 4.0000 to 14.8500 (m"]
+    cfg.run.loss_rise_alert = None  # off
+    Learner._watch_loss(learner, 100.0)  # type: ignore[arg-type]
+    assert state.counters.loss_rises == 1

@@ -22,3 +22,31 @@ def test_roundtrip():
 def test_malformed_records_are_rejected(raw):
     with pytest.raises(RecordError):
         ProgressRecord.decode(raw)
+
+
+def test_a_malformed_record_is_logged_once_per_peer_and_reason_not_at_every_read(caplog, monkeypatch):
+    import logging
+    from types import SimpleNamespace
+
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from p2p_diloco.net import progress_records
+    from p2p_diloco.net.progress_records import ProgressBoard
+    from p2p_diloco.trust.signed_records import owner_marker, peer_id_of_owner
+
+    marker = owner_marker(RSASignatureValidator())
+    stored = {marker: SimpleNamespace(value=b"\xc1")}
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=stored))
+    board = ProgressBoard(dht, "lin", 60.0, b"")  # type: ignore[arg-type]
+    clock = [1000.0]
+    monkeypatch.setattr(progress_records.time, "monotonic", lambda: clock[0])
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.net.progress_records"):
+        for _ in range(50):  # a round's matchmaking reads every second
+            assert board.read() == {}
+        stored[marker] = SimpleNamespace(value=msgpack.packb([1, 2]))  # another reason: logged again
+        board.read()
+        clock[0] += progress_records.REJECTION_LOG_SECONDS  # and again after a while
+        board.read()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(line.startswith(f"rejected progress record from {peer_id_of_owner(marker)}")
+                                   for line in lines)

@@ -15,7 +15,7 @@ def test_resource_fields_roundtrip():
                        device_name="cuda:0 (NVIDIA H200)", workers=8, cpu_cores=16, tokens_per_second=1234.5,
                        tokens_contributed=777, bytes_sent=10**9, bytes_received=3 * 10**9, uptime=3600.0, eval_loss=2.5,
                        reach="client", address="/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWexample",
-                       excluded=(("Ab3dEf9Z", 12), ("x1", 1)), heals=2)
+                       excluded=(("Ab3dEf9Z", 12), ("x1", 1)), heals=2, loss_rises=1)
     assert ProgressRecord.decode(r.encode()) == r
 
 
@@ -62,6 +62,7 @@ def test_a_record_of_an_older_version_takes_the_defaults():
     {"excluded": "peer"},
     {"heals": -1},
     {"heals": 0.5},
+    {"loss_rises": -1},
 ])
 def test_hostile_resource_fields_are_refused(field):
     with pytest.raises(RecordError):

@@ -70,12 +70,13 @@ def test_exclusions_and_heals_reported_by_the_records_become_alerts():
     records = {"12D3KooWpeerAAAA": _rec([4], [A], excluded=(("peerDDDD", 9),)),
                "12D3KooWpeerBBBB": _rec([4], [A], excluded=(("peerDDDD", 8), ("peerCCCC", 1))),
                "12D3KooWpeerCCCC": _rec([4], [A], heals=2),
-               "12D3KooWpeerDDDD": _rec([4], [A])}
+               "12D3KooWpeerDDDD": _rec([4], [A], loss_rises=1)}
     doc = swarm_document("run", {"run-x": records}, now=100.0)
     alerts = doc["lineages"]["run-x"]["alerts"]
     assert alerts == ["peerDDDD left out of recent rounds by 2 learner(s): peerAAAA (9), peerBBBB (8)",
                       "peerCCCC left out of recent rounds by 1 learner(s): peerBBBB (1)",
-                      "peerCCCC diverged and took the global state back 2 time(s)"]
+                      "peerCCCC diverged and took the global state back 2 time(s)",
+                      "peerDDDD saw its eval loss rise sharply after a round 1 time(s)"]
     assert doc["lineages"]["run-x"]["learners"][1]["excluded"] == [["peerDDDD", 8], ["peerCCCC", 1]]
     console = Console(record=True, width=200)
     console.print(render(doc))

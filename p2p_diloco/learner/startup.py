@@ -415,7 +415,8 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, reach: Reach, local: _Local, fault
     closer.callback(audit.close)  # after the rounds, averager and writer have stopped: a signed head, fsynced
     address = first_address(dht)  # for `status`; peers find us through the DHT anyway
     progress = Progress(
-        ProgressBoard(dht, lineage, ttl, dht.owner, index), state, ttl, client=reach.client,
+        ProgressBoard(dht, lineage, ttl, dht.owner, index, local.admission.lists if local.admission.private else None),
+        state, ttl, client=reach.client,
         resources=lambda: resources(local.trainer, state.counters, began, metrics, reach.record_value, address),
         audit=audit, metrics=metrics, traffic=functools.partial(read_traffic, dht), pace=_pace(cfg), faults=faults,
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -175,12 +176,15 @@ MAX_REJECTED_LOGGED = 1024  # peers whose last rejection is remembered
 class ProgressBoard:
     """Publish this learner's record and read everyone's."""
 
-    def __init__(self, dht: DHT, lineage: str, ttl: float, owner: bytes, index: LineageIndex | None = None):
+    def __init__(self, dht: DHT, lineage: str, ttl: float, owner: bytes, index: LineageIndex | None = None,
+                 members: Callable[[str], bool] | None = None):
         """``owner``: this learner's subkey, its public key marker (``signed_records.owner_marker``).
-        ``index``: the run's lineage index, where ``lineage`` is refreshed with each record."""
+        ``index``: the run's lineage index, where ``lineage`` is refreshed with each record. ``members``: whose
+        records count (a private swarm's allow-list, ``Admission.lists``); the others are rejected."""
         self.dht, self.key, self.ttl = dht, progress_key(lineage), ttl
         self._peer_key, self._index, self._lineage = owner, index, lineage
         self._rejected: dict[str, tuple[str, float]] = {}  # peer → the last rejection logged at WARNING, and when
+        self._members = members
 
     def publish(self, record: ProgressRecord) -> bool:
         """Store ``record``, stamped with the wall time, under our subkey for ``ttl`` seconds.
@@ -216,6 +220,9 @@ class ProgressBoard:
                 logger.debug(f"ignored a progress record without an owner's key: subkey {repr(subkey)[:40]}")
                 continue
             peer = str(owner)
+            if self._members is not None and not self._members(peer):
+                self._reject(peer, "its key is not on the allow-list")  # a member's record under a fresh key
+                continue
             try:
                 records[peer] = ProgressRecord.decode(item.value)
             except (RecordError, AttributeError) as e:

@@ -95,6 +95,12 @@ class Admission:
     def private(self) -> bool:
         return self.allowed is not None
 
+    def lists(self, peer: str) -> bool:
+        """Whether ``peer`` (base58) is a member: on the list, or anyone in a public swarm. For what members read
+        (records signed by any key are valid DHT values: the gates on inbound calls do not stop a member from
+        storing records under fresh keys)."""
+        return self.allowed is None or peer in self.allowed
+
     def admits(self, remote: PeerID, local: PeerID | None, what: str) -> bool:
         """Whether ``remote`` may call ``what`` on this peer (``local``; a peer always admits itself).
 

@@ -50,3 +50,29 @@ def test_a_malformed_record_is_logged_once_per_peer_and_reason_not_at_every_read
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and all(line.startswith(f"rejected progress record from {peer_id_of_owner(marker)}")
                                    for line in lines)
+
+
+def test_in_a_private_swarm_records_under_keys_off_the_allow_list_do_not_count(caplog):
+    # A member may store records signed by fresh keys (valid DHT values): they would raise the majority quorum
+    # until nothing commits. Only the keys on the list count.
+    import logging
+    from types import SimpleNamespace
+
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.net.progress_records import ProgressBoard
+    from p2p_diloco.trust.admission import Admission
+    from p2p_diloco.trust.signed_records import owner_marker, peer_id_of_owner
+
+    member, fresh = (owner_marker(RSASignatureValidator(RSAPrivateKey())) for _ in range(2))
+    record = ProgressRecord(version=3, sha256="a" * 64, tokens=99, status="training")
+    stored = {m: SimpleNamespace(value=record.encode()) for m in (member, fresh)}
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=stored))
+    admission = Admission(frozenset({str(peer_id_of_owner(member))}))
+    board = ProgressBoard(dht, "lin", 60.0, b"", members=admission.lists)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.net.progress_records"):
+        assert list(board.read()) == [str(peer_id_of_owner(member))]
+    assert "its key is not on the allow-list" in caplog.text
+    public = ProgressBoard(dht, "lin", 60.0, b"", members=Admission(None).lists)  # type: ignore[arg-type]
+    assert len(public.read()) == 2

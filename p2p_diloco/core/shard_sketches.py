@@ -191,10 +191,31 @@ def check(mine: Mapping[str, Any], sketches: Mapping[str, Any], weights: Mapping
     return first_mismatch(mine, sketches, weights, norms)[0]
 
 
+def _oversized(peer: str, s: Mapping[str, Any], shards: int, bound: float) -> str:
+    """Why the parts ``peer`` sketched are larger than its declared norm allows ("" if they are not).
+
+    Reducers refuse another sender's part above its declared norm (net/allreduce.py), but nobody checks the
+    part a reducer adds to its own shard: it could set that shard under the mean with any part it sketches
+    truthfully. Each sketch's ``sent_norm`` must fit ``bound`` (the sender's declared norm, clipped, with the
+    same 10% the caller allows), and its projections must fit the norm it gives them: a projection on a
+    standard Gaussian vector is N(0, ‖x‖²), beyond Z·‖x‖ once in about 10¹⁵.
+    """
+    for r in range(shards):
+        norm = s["sent_norm"][r]
+        if not norm <= 1.1 * bound + 1e-9:
+            return (f"{peer[-6:]} sketched a part of norm {norm:.6g} for shard {r}, above the {bound / 1.1:.6g} "
+                    f"its declared norm allows: its part is too large, or its sketch lied")
+        if any(not abs(x) <= Z * norm * (1 + 1e-6) + 1e-12 for x in s["sent"][r]):
+            return (f"the sketch of {peer[-6:]} is inconsistent: a projection of its part for shard {r} is more "
+                    f"than {Z:g} times the part's norm ({norm:.6g})")
+    return ""
+
+
 def first_mismatch(mine: Mapping[str, Any], sketches: Mapping[str, Any], weights: Mapping[str, float],
                    norms: Mapping[str, float]) -> tuple[str, str | None]:
-    """:func:`check`'s answer, and the reducer of the first shard that did not match (None: no shard was
-    checked against wrong numbers, e.g. a sketch is missing)."""
+    """:func:`check`'s answer, and who is to blame: the reducer of the first shard that did not match, or a sender
+    whose sketched parts exceed its declared norm (None: no shard was checked against wrong numbers, e.g. a
+    sketch is missing)."""
     for peer in sorted(weights):
         if peer not in sketches:
             return f"no sketch from {peer[-6:]}", None
@@ -208,6 +229,10 @@ def first_mismatch(mine: Mapping[str, Any], sketches: Mapping[str, Any], weights
     if kind not in AGGREGATORS:
         return f"unknown aggregator {kind!r}", None
     senders = sorted(weights)
+    for peer in senders:
+        why = _oversized(peer, sketches[peer], len(mine["shards"]), norms.get(peer, math.inf))
+        if why:
+            return why, peer
     fp32 = _FP32_SUM * len(weights) * sum(weights[p] / total * norms.get(p, 0.0) for p in weights)
     for r, (reducer, _, _) in enumerate(mine["shards"]):
         lied = (f"the shard reduced by {str(reducer)[-6:]} does not match what its senders sent ({{}}): "

@@ -175,3 +175,23 @@ def test_projections_across_chunks_are_exact_and_linear(monkeypatch):
     assert py == pytest.approx((vectors[:, :13] @ y.double()).tolist(), rel=1e-12)
     (pxy,) = shard_sketches.projections("s", [[x + 2 * torch.cat([y, torch.zeros(7)])]])
     assert pxy[0] == pytest.approx([a + 2 * b for a, b in zip(px, py, strict=True)], rel=1e-5)  # fp32 sum
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "median"])
+def test_a_reducer_that_adds_an_oversized_own_part_is_named(aggregator):
+    """Nobody but the reducer checks the part it adds to its own shard. One that adds a part 100× what its
+    declared norm allows and sketches it truthfully matches the projections, so the check bounds each
+    sketched part by the sender's declared norm and names the sender."""
+    sketches, norms = _round("none", aggregator=aggregator)
+    # peer-bbbbbb reduces shard 1; its own part there was 100× larger than its declared norm allows.
+    big = {**sketches["peer-bbbbbb"]}
+    big["sent_norm"] = [big["sent_norm"][0], 100 * norms["peer-bbbbbb"]]
+    big["sent"] = [big["sent"][0], [x * 100 for x in big["sent"][1]]]
+    for p in PEERS:
+        why, blamed = shard_sketches.first_mismatch(sketches[p], {**sketches, "peer-bbbbbb": big}, WEIGHTS, norms)
+        assert blamed == "peer-bbbbbb" and "above the" in why, why
+    # A sketch that hides the norm behind its projections is inconsistent, and named too.
+    hidden = {**big, "sent_norm": sketches["peer-bbbbbb"]["sent_norm"]}
+    why, blamed = shard_sketches.first_mismatch(sketches[PEERS[0]], {**sketches, "peer-bbbbbb": hidden}, WEIGHTS,
+                                                norms)
+    assert blamed == "peer-bbbbbb" and "inconsistent" in why, why

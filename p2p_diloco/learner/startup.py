@@ -43,9 +43,9 @@ from p2p_diloco.learner.progress import Progress
 from p2p_diloco.learner.resume import LOCAL_MODEL_FIELDS, check_compatible, restore
 from p2p_diloco.learner.schedule import Rounds
 from p2p_diloco.learner.state import LearnerState
-from p2p_diloco.net.averaging import HivemindAveraging, averaging_prefix, download_priority_key
+from p2p_diloco.net.averaging import HivemindAveraging, averaging_prefix
 from p2p_diloco.net.dht import LinkedDHT, start_dht, wait_until_joined
-from p2p_diloco.net.progress_records import LineageIndex, ProgressBoard, lineages_key, progress_key
+from p2p_diloco.net.progress_records import LineageIndex, ProgressBoard
 from p2p_diloco.net.reach import CLIENT, DIRECT, Reach, serve_checks
 from p2p_diloco.net.reach import check as check_reach
 from p2p_diloco.net.traffic import read_traffic
@@ -406,7 +406,6 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, reach: Reach, local: _Local, fault
     lineage = f"{cfg.network.run_id}-{lineage_id(cfg, local.trainer.model_files, local.tokenizer.fingerprint)}"
     logger.info(f"lineage {lineage} (learners only meet others with the same run id and lineage settings)")
     ttl, run_id = cfg.network.record_ttl, cfg.network.run_id
-    dht.protect([progress_key(lineage), lineages_key(run_id), download_priority_key(lineage)])
     index = LineageIndex(dht, run_id, ttl, dht.owner)  # lets `p2p-diloco status` find our lineage
     logger.info(f"checkpoints in {local.ckpt_dir}; data shard {local.data.shard}/{cfg.data.num_shards}")
     audit = Audit.open(local.ckpt_dir, local.key, state.peer_id, cfg.run.audit_sign_every,

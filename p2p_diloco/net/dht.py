@@ -10,7 +10,6 @@ exits when the process that started it goes away.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import signal
 import sys
@@ -126,10 +125,9 @@ class LinkedDHT(hivemind.DHT):
     requests may come from several threads (:func:`serialize_requests`), and whose every RPC handler,
     the DHT's and those of averagers on its p2pd (:meth:`replicate_p2p`), is behind ``admission``."""
 
-    def __init__(self, *args: Any, admission: Admission | None = None, owned: OwnedRecords | None = None,
-                 owner: bytes = b"", signing: IdentityKey | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, admission: Admission | None = None, owner: bytes = b"",
+                 signing: IdentityKey | None = None, **kwargs: Any):
         self.admission = admission or Admission()
-        self.owned = owned  # one of the record validators: the keys whose records must be signed
         self.owner = owner  # the subkey of this peer's own signed records (its public key marker)
         self.signing = signing  # the identity key itself: the round's gathered metadata is signed with it
         super().__init__(*args, **kwargs)
@@ -156,13 +154,6 @@ class LinkedDHT(hivemind.DHT):
             maddr = self.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
             replica = self._p2p_replica = await gated_p2p(self.admission).replicate(maddr)
         return replica
-
-    def protect(self, keys: Sequence[str]) -> None:
-        """From now on, records under ``keys`` must name their owner and carry its signature (in the DHT's
-        process, which validates what peers store here and what they return to our searches)."""
-        if self.owned is None:
-            raise ValueError("this DHT was started without signed records")
-        self.run_coroutine(functools.partial(_protect, list(keys)))
 
     def _serialized(self, method, args, kwargs):
         """Send the request; wait for the answer, checking that the DHT process still lives.
@@ -191,11 +182,6 @@ class LinkedDHT(hivemind.DHT):
         return self._serialized(super().run_coroutine, args, kwargs)
 
 
-async def _protect(keys: list[str], dht: LinkedDHT, _node: Any) -> None:
-    assert dht.owned is not None  # checked by LinkedDHT.protect
-    dht.owned.protect(keys)
-
-
 def start_dht(
     *,
     initial_peers: Sequence[str],
@@ -220,13 +206,13 @@ def start_dht(
     peer (default: everyone). ``client_mode``: a light client, which asks and stores nothing for others.
     ``use_relay`` and ``use_auto_relay``: p2pd's circuit relay and its search for relays behind NAT.
     ``signing``: the identity key that signs this peer's records (hivemind's ``RSASignatureValidator``);
-    with it, records of others are validated too (:class:`OwnedRecords`, :meth:`LinkedDHT.protect`).
+    with it, records of others are validated too: every record must be signed by its owner (:class:`OwnedRecords`).
     """
     validators: list[Any] = []
-    owned, owner = None, b""
+    owner = b""
     if signing is not None:
-        signer, owned = CheckedOnce(signing), OwnedRecords()
-        validators, owner = [signer, owned], owner_marker(signer)
+        signer = CheckedOnce(signing)
+        validators, owner = [signer, OwnedRecords()], owner_marker(signer)
     try:
         return LinkedDHT(
             initial_peers=list(initial_peers) or None,
@@ -237,7 +223,6 @@ def start_dht(
             start=True,
             await_ready=wait,
             admission=admission,
-            owned=owned,
             owner=owner,
             signing=signing,
             record_validators=validators,

@@ -12,9 +12,9 @@ records twice, when a peer asks it to store one and when a peer returns one to a
 
 - hivemind's ``RSASignatureValidator`` checks the signature of any record whose subkey names an owner
   (:class:`CheckedOnce`: each distinct record once, as every search returns the same signed records);
-- :class:`OwnedRecords` makes the owner marker mandatory under the swarm's record keys (an unsigned
-  record there is invalid, not merely unprotected) and bounds every record's expiration, so that a
-  record cannot be planted to outlive its writer by more than ``max_ttl`` seconds.
+- :class:`OwnedRecords` makes the owner marker mandatory under every key (an unsigned record, or a plain
+  value without a subkey, is invalid, not merely unprotected) and bounds every record's expiration, so
+  that a record cannot be planted to outlive its writer by more than ``max_ttl`` seconds.
 
 An invalid record is dropped by hivemind without reaching the learner;
 :class:`~p2p_diloco.net.progress_records.ProgressBoard` reads the owner's peer ID from the subkey.
@@ -27,13 +27,11 @@ import hashlib
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
@@ -148,25 +146,23 @@ MAX_RECORD_SECONDS = 1200.0
 
 
 class OwnedRecords(RecordValidatorBase):
-    """Under the protected keys, only records whose subkey names their owner (and so carry its
-    signature); for every record, an expiration at most ``max_ttl`` seconds ahead.
+    """Only records whose subkey names their owner (and so carry its signature), under every key; each
+    with an expiration at most ``max_ttl`` seconds ahead.
 
-    Keys are protected with :meth:`protect` (a learner knows its lineage's keys only after its DHT has started).
+    Every record a swarm stores is owner-marked (progress records, the lineage index, commit signatures,
+    reducer sketches, matchmaking and download declarations), so nothing legitimate is refused. A plain
+    value (hivemind's subkey-less record) would squat its key: hivemind refuses a subkey store under a
+    key whose plain value expires later, and a search would return the plain value. The swarm's
+    per-round keys (commit, group, sketch) are predictable and change every round, so they cannot be
+    listed in advance: the rule holds for every key instead.
     """
 
-    def __init__(self, keys: Iterable[str] = (), max_ttl: float = MAX_RECORD_SECONDS):
-        self.key_ids: set[bytes] = set()
+    def __init__(self, max_ttl: float = MAX_RECORD_SECONDS):
         self.max_ttl = max_ttl
-        self.protect(keys)
-
-    def protect(self, keys: Iterable[str]) -> None:
-        self.key_ids.update(DHTID.generate(source=k).to_bytes() for k in keys)
 
     def validate(self, record: DHTRecord) -> bool:
         if record.expiration_time > get_dht_time() + self.max_ttl:
             return False
-        if record.key not in self.key_ids:
-            return True
         return bool(record.subkey) and len(_OWNER_RE.findall(record.subkey)) == 1
 
     def merge_with(self, other: RecordValidatorBase) -> bool:

@@ -22,6 +22,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.core.shard_sketches import sketch_key
 from p2p_diloco.net.averaging import HivemindAveraging, averaging_prefix, download_priority_key, group_key
 from p2p_diloco.net.dht import start_dht
 from p2p_diloco.net.progress_records import ProgressBoard, ProgressRecord, progress_key
@@ -110,8 +111,8 @@ def test_an_outsider_cannot_read_write_or_download(tmp_path):
             s.shutdown()
 
 
-def _signing_members(tmp_path, protected: list[str], started: list) -> list:
-    """Two learners' DHTs (joined, signing records with their identities, ``protected`` keys owner-only)."""
+def _signing_members(tmp_path, started: list) -> list:
+    """Two learners' DHTs (joined, signing records with their identities, owner-marked records only)."""
     members: list = []
     for i in range(2):
         identity = tmp_path / f"member-{i}.key"
@@ -120,7 +121,6 @@ def _signing_members(tmp_path, protected: list[str], started: list) -> list:
                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
                                  identity_path=identity, startup_timeout=30, signing=IdentityKey.load(identity)))
         started.append(members[-1])
-        members[-1].protect(protected)
     return members
 
 
@@ -130,7 +130,7 @@ def test_records_are_signed_and_forgeries_never_reach_a_reader(tmp_path):
     key = progress_key("lin")
     started: list = []
     try:
-        members = _signing_members(tmp_path, [key], started)
+        members = _signing_members(tmp_path, started)
         boards = [ProgressBoard(m, "lin", 60.0, m.owner) for m in members]
         genuine = ProgressRecord(4, "a" * 64, 100, versions=(4,), shas=("a" * 64,))
         assert boards[0].publish(genuine)
@@ -168,7 +168,7 @@ def test_matchmaking_and_download_declarations_are_signed(tmp_path):
     lineage = "lin"
     started: list = []
     try:
-        members = _signing_members(tmp_path, [download_priority_key(lineage)], started)
+        members = _signing_members(tmp_path, started)
         managers = [SignedGroupKeyManager(GroupKeyManager(m, averaging_prefix(lineage), "", 4), m.owner)
                     for m in members]
         key = group_key(averaging_prefix(lineage), 0, 7)
@@ -201,6 +201,36 @@ def test_matchmaking_and_download_declarations_are_signed(tmp_path):
         for member in members:
             seen = member.get(download_priority_key(lineage), latest=True)
             assert {p: e.value for p, e in declared(seen.value, member.owner)} == {members[0].peer_id: 5.0}
+    finally:
+        for s in reversed(started):
+            s.shutdown()
+
+
+@pytest.mark.timeout(150)
+def test_a_plain_value_cannot_squat_a_rounds_key(tmp_path):
+    """A round's keys are predictable (a commit's, a group's, a reducer sketch's). A peer that stores a plain
+    value (no subkey) there, expiring later than the members' entries, made hivemind refuse every member's
+    entry under that key, and searches returned the squatter's value: the round could not gather its group,
+    sketches or signatures. Every node of the swarm now refuses a record that names no owner."""
+    lineage = "lin"
+    prefix = averaging_prefix(lineage)
+    keys = [f"{lineage}_commit_0_7", group_key(prefix, 0, 7), sketch_key(prefix, "seed-7")]
+    started: list = []
+    try:
+        members = _signing_members(tmp_path, started)
+        squatter = hivemind.DHT(initial_peers=members[0].get_visible_maddrs(), start=True)  # validates nothing
+        started.append(squatter)
+        now = get_dht_time()
+        for key in keys:  # within the 1,200 s every node allows
+            squatter.store(key, b"squat", now + 1000)
+        for key in keys:  # (hivemind reports the last replica's answer: the squatter's refusal, whatever the others did)
+            for member in members:
+                member.store(key, b"mine", now + 60, subkey=member.owner)
+        for member in members:
+            for key in keys:
+                found = member.get(key, latest=True)
+                assert found is not None and isinstance(found.value, dict), (key, found)
+                assert {peer_id_of_owner(subkey) for subkey in found.value} == {m.peer_id for m in members}
     finally:
         for s in reversed(started):
             s.shutdown()

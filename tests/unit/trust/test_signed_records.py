@@ -42,23 +42,21 @@ def test_identity_file_that_is_not_a_key(tmp_path):
         IdentityKey.load(tmp_path / "bad.key")
 
 
-def test_owned_records_must_name_an_owner_under_protected_keys_and_expire_soon(tmp_path):
+def test_owned_records_must_name_an_owner_under_every_key_and_expire_soon(tmp_path):
     peer_id_of(tmp_path / "k.key")  # makes the key
     signer = RSASignatureValidator(IdentityKey.load(tmp_path / "k.key"))
-    rule = OwnedRecords(["lin_progress"], max_ttl=100)
+    rule = OwnedRecords(max_ttl=100)
     now = get_dht_time()
-    protected, other = DHTID.generate(source="lin_progress").to_bytes(), DHTID.generate(source="x").to_bytes()
+    key = DHTID.generate(source="lin_commit_0_7").to_bytes()
 
-    def record(key, subkey, expires):
+    def record(subkey, expires):
         return DHTRecord(key, MSGPackSerializer.dumps(subkey), b"v", expires)
 
-    assert rule.validate(record(protected, owner_marker(signer), now + 50))
-    assert not rule.validate(record(protected, b"peer-id-bytes", now + 50))  # unsigned under a protected key
-    assert not rule.validate(record(protected, owner_marker(signer), now + 500))  # expires too late
-    assert rule.validate(record(other, b"peer-id-bytes", now + 50))  # hivemind's own keys: any subkey
-    assert not rule.validate(record(other, b"peer-id-bytes", now + 10**6))
-    rule.protect(["x"])
-    assert not rule.validate(record(other, b"peer-id-bytes", now + 50))
+    assert rule.validate(record(owner_marker(signer), now + 50))
+    assert not rule.validate(record(b"peer-id-bytes", now + 50))  # hivemind's raw peer-ID subkey: unsigned
+    assert not rule.validate(record(None, now + 50))  # a plain value (no subkey) would squat the key
+    assert not rule.validate(record(owner_marker(signer) * 2, now + 50))  # two owners
+    assert not rule.validate(record(owner_marker(signer), now + 500))  # expires too late
 
 
 def _signed(signer, value: bytes, expires: float) -> DHTRecord:

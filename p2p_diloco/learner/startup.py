@@ -326,8 +326,9 @@ def _rounds(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, aud
             averaging: HivemindAveraging, leaving: Leaving, faults: FaultHooks,
             after_merge: Callable[[], None]) -> tuple[CatchUp, Rounds]:
     """The round schedule and catch-up; ``after_merge`` runs after a commit or a state taken from peers."""
-    board = CommitBoard(dht, lineage, local.key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout)
-    verifier = Verifier(lineage, cfg.averaging.min_group_size, local.admission.allowed)
+    board = CommitBoard(dht, lineage, local.key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout,
+                        round_quorum=averaging.round_quorum)
+    verifier = Verifier(lineage, cfg.averaging.min_group_size, local.admission.allowed, averaging.round_quorum)
     catch_up = CatchUp(cfg, local.state, averaging, progress, should_stop=leaving, verifier=verifier,
                        certifier=board, audit=audit, on_adopt=after_merge)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,

@@ -3,7 +3,8 @@
 When a round's group has computed the new state of a fragment, every contributor signs a
 :class:`Commit` (lineage, fragment, new version, new sha256, the sha256 of the state it was applied
 to, the sorted contributors) with its identity key, and the round commits only once it holds the
-signatures of at least K distinct contributors (K = ``averaging.min_group_size``, the quorum; see
+signatures of at least K distinct contributors (K = ``averaging.min_group_size``, the quorum), and of at
+least half the quorum a round needs today (:func:`needed_signers`; see
 :mod:`p2p_diloco.trust.commit_board` for the exchange). A state carries the certificates of its newest
 versions (:attr:`p2p_diloco.core.outer.GlobalState.certificates`, not part of its hash), and a learner
 adopts a downloaded state only if its certificate verifies (:class:`Verifier`): a peer cannot make
@@ -158,11 +159,19 @@ class Certificate:
 @dataclass(frozen=True)
 class Verifier:
     """The rule a learner applies to states from peers: a certificate for exactly that state, of this
-    lineage, signed by at least ``quorum`` distinct peers (``admitted`` ones, in a private swarm)."""
+    lineage, signed by at least :func:`needed_signers` distinct peers (``admitted`` ones, in a private swarm).
+
+    ``round_quorum``: the quorum a round needs today (``HivemindAveraging.round_quorum``: a majority of the
+    learners training); None: K alone."""
 
     lineage: str
     quorum: int
     admitted: frozenset[str] | None = None
+    round_quorum: Callable[[], int] | None = None
+
+    def needed(self) -> int:
+        """How many valid signers a certificate needs now."""
+        return needed_signers(self.quorum, self.round_quorum() if self.round_quorum is not None else 0)
 
     def check(self, fragment: int, version: int, sha: str, certificates: Sequence[Any]) -> str:
         """"" if ``certificates`` (a state's, as served) certify (fragment, version, sha); else why not."""
@@ -174,10 +183,10 @@ class Verifier:
         c = cert.commit
         if (c.lineage, c.fragment, c.version, c.sha256) != (self.lineage, fragment, version, sha):
             return f"fragment {fragment} version {version}: the certificate is for another state"
-        signers = cert.signers(self.admitted)
-        if len(signers) < self.quorum:
+        signers, needed = cert.signers(self.admitted), self.needed()
+        if len(signers) < needed:
             return (f"fragment {fragment} version {version}: certificate signed by {len(signers)} valid "
-                    f"signer(s), fewer than the quorum {self.quorum}")
+                    f"signer(s), fewer than the quorum {needed}")
         return ""
 
     def linked(self, fragment: int, top: tuple[int, str], ancestor: tuple[int, str],
@@ -206,9 +215,24 @@ class Verifier:
         cert = find(certificates, version)
         if not isinstance(cert, Certificate) or cert.commit.lineage != self.lineage:
             return None
-        if not cert.commit.contributors or len(cert.signers(self.admitted)) < self.quorum:
+        if not cert.commit.contributors or len(cert.signers(self.admitted)) < self.needed():
             return None
         return cert.commit.contributors
+
+
+def needed_signers(quorum: int, round_quorum: int) -> int:
+    """The signers a certificate needs: K (``quorum``), and at least half the quorum a round needs today.
+
+    Every honest round's group held at least the round quorum of its day (a majority of the learners
+    training), and its members all sign, so half of today's leaves room for a swarm that has grown since
+    (up to about twice) and for members too slow to sign before the others settle; a few colluding
+    members, K of them and fewer than a quarter of the learners training, can no longer certify a state
+    of their choosing.
+
+    >>> needed_signers(2, 3), needed_signers(2, 5), needed_signers(2, 9)
+    (2, 3, 5)
+    """
+    return max(quorum, (round_quorum + 1) // 2)
 
 
 class Certifier(Protocol):

@@ -4,9 +4,10 @@ Each member of a round that computed the new state signs its :class:`~p2p_diloco
 and stores ``{commit, signature}`` under ``{lineage}_commit_{fragment}_{version}``, subkey = its own
 public key marker (a signed record: nobody else can write or replace it,
 :mod:`p2p_diloco.trust.signed_records`). It then reads that key until it holds valid signatures of the
-same commit from every contributor, or from at least the quorum K and a short settling time has
-passed, or the deadline comes: then the round fails (nothing is committed; the learner's outer
-gradient stays in the exactly-once ledger, as for any round that may have committed elsewhere).
+same commit from every contributor, or from at least the quorum (K, and half a round's quorum today:
+:func:`~p2p_diloco.trust.certificates.needed_signers`) and a short settling time has passed, or the
+deadline comes: then the round fails (nothing is committed; the learner's outer gradient stays in the
+exactly-once ledger, as for any round that may have committed elsewhere).
 
 A member that signs and then fails to collect K signatures may see the others commit (with its
 signature among theirs); it then adopts their certified state like any learner that missed a round.
@@ -24,7 +25,7 @@ from typing import Any
 import msgpack
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.trust.certificates import Certificate, Commit, Signature
+from p2p_diloco.trust.certificates import Certificate, Commit, Signature, needed_signers
 from p2p_diloco.trust.signed_records import IdentityKey, peer_id_of_owner
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class CommitBoard:
     poll: float = 0.2
     should_stop: Callable[[], bool] = lambda: False
     owner_of: Callable[[Any], str | None] = field(default=lambda subkey: _peer_of(subkey))  # subkey → peer id
+    round_quorum: Callable[[], int] | None = None  # today's round quorum: a certificate needs half of it too
     _me: Signature | None = field(default=None, init=False, repr=False)
 
     def certify(self, commit: Commit, sketch: dict[str, Any] | None = None,
@@ -72,8 +74,10 @@ class CommitBoard:
         """
         mine = Signature.make(self.key, commit)
         cert = Certificate(commit, (mine,))
+        # the signers a verifier will ask for (Verifier.needed)
+        quorum = needed_signers(self.quorum, self.round_quorum() if self.round_quorum is not None else 0)
         # A merge of lineages names no contributors: it waits for a quorum like a round of K.
-        everyone = max(len(commit.contributors), self.quorum, 1)
+        everyone = max(len(commit.contributors), quorum, 1)
         if everyone <= 1:
             return cert  # a round of one: our own signature is the whole certificate
         key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"
@@ -90,7 +94,7 @@ class CommitBoard:
             cert = cert.merged_with(self._read(key, commit))
             signers = len(cert.signers())
             now = time.monotonic()
-            if signers >= self.quorum and reached is None:
+            if signers >= quorum and reached is None:
                 reached = now
             if signers >= everyone or (reached is not None and now - reached >= self.settle):
                 return cert
@@ -98,7 +102,7 @@ class CommitBoard:
                 if reached is not None:
                     return cert
                 return (f"commit of fragment {commit.fragment} version {commit.version} not certified: "
-                        f"{signers} of the quorum {self.quorum} signatures within {limit:g} s")
+                        f"{signers} of the quorum {quorum} signatures within {limit:g} s")
             time.sleep(self.poll)
 
     def _verified(self, sketch_key: str, commit: Commit, sketch: dict[str, Any] | None,

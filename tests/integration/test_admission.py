@@ -223,7 +223,7 @@ def test_a_plain_value_cannot_squat_a_rounds_key(tmp_path):
         now = get_dht_time()
         for key in keys:  # within the 1,200 s every node allows
             squatter.store(key, b"squat", now + 1000)
-        for key in keys:  # (hivemind reports the last replica's answer: the squatter's refusal, whatever the others did)
+        for key in keys:  # (hivemind reports the last replica's answer: the squatter's refusal, whoever stored)
             for member in members:
                 member.store(key, b"mine", now + 60, subkey=member.owner)
         for member in members:

@@ -59,6 +59,25 @@ def test_the_verifier_wants_a_quorum_of_distinct_contributors(peers):
     assert v.contributors(6, versions) is None
 
 
+def test_two_colluders_cannot_certify_a_state_of_their_choosing_in_a_larger_swarm(peers):
+    """Two members that name only themselves as contributors and both sign: enough for K = 2 alone, not for
+    half of the round quorum of a swarm of 8 or 9 learners training (5: 3 signers)."""
+    chosen = _commit(peers, n=2, sha="c" * 64)
+    colluded = [_cert(peers, chosen, [0, 1]).to_dict()]
+    assert Verifier("run-lin", 2).check(0, 5, "c" * 64, colluded) == ""  # the hole: K = 2 signatures
+    nine = Verifier("run-lin", 2, round_quorum=lambda: 5)
+    assert "fewer than the quorum 3" in nine.check(0, 5, "c" * 64, colluded)
+    assert nine.contributors(5, colluded) is None
+    honest = _commit(peers, n=3)
+    assert nine.check(0, 5, SHA, [_cert(peers, honest, [0, 1, 2]).to_dict()]) == ""
+    assert Verifier("run-lin", 2, round_quorum=lambda: 3).check(0, 5, "c" * 64, colluded) == ""  # 4 or 5 learners
+
+    # The colluders' own board waits for as many signers as verifiers will ask for: it cannot certify either.
+    board = CommitBoard(_Dht({}, b"me"), "run-lin", peers[0][1], quorum=2, timeout=0.2, poll=0.01,
+                        round_quorum=lambda: 5)
+    assert "1 of the quorum 3 signatures" in board.certify(chosen)
+
+
 def test_a_merge_may_be_signed_by_any_admitted_peer(peers):
     merge = Commit("run-lin", 0, 9, SHA, "", ())
     assert Verifier("run-lin", 2).check(0, 9, SHA, [_cert(peers, merge, [2, 3]).to_dict()]) == ""

@@ -14,7 +14,8 @@ records twice, when a peer asks it to store one and when a peer returns one to a
   (:class:`CheckedOnce`: each distinct record once, as every search returns the same signed records);
 - :class:`OwnedRecords` makes the owner marker mandatory under every key (an unsigned record, or a plain
   value without a subkey, is invalid, not merely unprotected) and bounds every record's expiration, so
-  that a record cannot be planted to outlive its writer by more than ``max_ttl`` seconds.
+  that a record cannot be planted to outlive its writer by more than ``max_ttl`` seconds, and its size,
+  so that no peer stores megabytes on the others' nodes.
 
 An invalid record is dropped by hivemind without reaching the learner;
 :class:`~p2p_diloco.net.progress_records.ProgressBoard` reads the owner's peer ID from the subkey.
@@ -140,6 +141,10 @@ def record_digest(record: DHTRecord) -> bytes:
     return h.digest()
 
 
+# The largest record value a node stores or takes from a search: a reader takes at most 64 KiB of a
+# commit signature or reducer sketch and 16 KiB of a progress record; hivemind adds the owner's signature.
+MAX_RECORD_BYTES = 128 * 1024
+
 # The longest a record may be stored for: a progress record lives network.record_ttl (at most 600 s);
 # hivemind's matchmaking and state-sharing keys, seconds to a minute. Twice that, for clock skew.
 MAX_RECORD_SECONDS = 1200.0
@@ -147,7 +152,7 @@ MAX_RECORD_SECONDS = 1200.0
 
 class OwnedRecords(RecordValidatorBase):
     """Only records whose subkey names their owner (and so carry its signature), under every key; each
-    with an expiration at most ``max_ttl`` seconds ahead.
+    with an expiration at most ``max_ttl`` seconds ahead and a value of at most ``max_bytes``.
 
     Every record a swarm stores is owner-marked (progress records, the lineage index, commit signatures,
     reducer sketches, matchmaking and download declarations), so nothing legitimate is refused. A plain
@@ -157,11 +162,11 @@ class OwnedRecords(RecordValidatorBase):
     listed in advance: the rule holds for every key instead.
     """
 
-    def __init__(self, max_ttl: float = MAX_RECORD_SECONDS):
-        self.max_ttl = max_ttl
+    def __init__(self, max_ttl: float = MAX_RECORD_SECONDS, max_bytes: int = MAX_RECORD_BYTES):
+        self.max_ttl, self.max_bytes = max_ttl, max_bytes
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.expiration_time > get_dht_time() + self.max_ttl:
+        if record.expiration_time > get_dht_time() + self.max_ttl or len(record.value) > self.max_bytes:
             return False
         return bool(record.subkey) and len(_OWNER_RE.findall(record.subkey)) == 1
 

@@ -231,6 +231,18 @@ def test_a_plain_value_cannot_squat_a_rounds_key(tmp_path):
                 found = member.get(key, latest=True)
                 assert found is not None and isinstance(found.value, dict), (key, found)
                 assert {peer_id_of_owner(subkey) for subkey in found.value} == {m.peer_id for m in members}
+
+        # A record signed by its owner but of 256 KiB: no member stores it, no search returns it.
+        # (A DHT process that reads its requests whole: a bare hivemind DHT can hang on a large one.)
+        identity = tmp_path / "hoarder.key"
+        peer_id_of(identity)
+        hoarder = start_dht(initial_peers=[str(a) for a in members[0].get_visible_maddrs()],
+                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], identity_path=identity,
+                            startup_timeout=30, signing=IdentityKey.load(identity))
+        started.append(hoarder)
+        hoarder.store("hoard", b"x" * 2**18, now + 60, subkey=hoarder.owner)
+        for member in members:
+            assert member.get("hoard", latest=True) is None
     finally:
         for s in reversed(started):
             s.shutdown()

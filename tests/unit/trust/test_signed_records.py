@@ -57,6 +57,8 @@ def test_owned_records_must_name_an_owner_under_every_key_and_expire_soon(tmp_pa
     assert not rule.validate(record(None, now + 50))  # a plain value (no subkey) would squat the key
     assert not rule.validate(record(owner_marker(signer) * 2, now + 50))  # two owners
     assert not rule.validate(record(owner_marker(signer), now + 500))  # expires too late
+    big = DHTRecord(key, MSGPackSerializer.dumps(owner_marker(signer)), b"v" * (128 * 1024 + 1), now + 50)
+    assert not rule.validate(big)  # too large
 
 
 def _signed(signer, value: bytes, expires: float) -> DHTRecord:

@@ -24,8 +24,9 @@ M = TypeVar("M")
 class FaultHooks:
     """No fault: every hook returns what it was given."""
 
-    def fire(self, stage: str, round_: int) -> None:
-        """Carry out the fault due at ``stage`` of ``round_``, if any (each fires once)."""
+    def fire(self, stage: str, round_: int, group: int = 0) -> None:
+        """Carry out the fault due at ``stage`` of ``round_``, if any (each fires once); ``group``: how many
+        members the round's group has, where the stage knows it (``commit``), else 0."""
 
     def due(self, stage: str, round_: int) -> bool:
         """Whether :meth:`fire` with these arguments would carry out a fault."""

@@ -317,7 +317,7 @@ class HivemindAveraging:
             raise RoundFailed("no group formed within the round window")
         with self._averager.get_tensors() as buffers:
             averaged = [buffers[i].clone() for i in indices]
-        self.faults.fire("commit", version + 1)
+        self.faults.fire("commit", version + 1, group=len(result["gathered"]))
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
         self._accuse_refused(stats.get("refused") or ())

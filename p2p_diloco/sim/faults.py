@@ -2,9 +2,9 @@
 
 Grammar (one fault per line; several joined with ``;`` on the command line)::
 
-    kill at round R during STAGE
-    hang for S s at round R during STAGE
-    drop for S s at round R during STAGE
+    kill at round R during STAGE [in a group of N]
+    hang for S s at round R during STAGE [in a group of N]
+    drop for S s at round R during STAGE [in a group of N]
     poison at round R with nan|flip|scale X|climb [N]|diverge
     lie at round R with ahead|state|weight|shard
     malform at round R with KIND
@@ -26,6 +26,9 @@ checkpoint     in the middle of writing the checkpoint after round R (temporary 
 serve          while serving its global state to a learner that downloads it
 =============  ===========================================================================
 
+``in a group of N`` (``commit`` only): the fault waits for the first round from R on whose group has at
+least N members (a test that needs the others to commit without this learner's signature needs a
+group of 3 or more, whatever the phases the learners happen to start in).
 ``kill`` is SIGKILL of the learner process (its DHT, averager and p2pd die with it).
 ``hang`` stops the learner's whole process group with SIGSTOP for S seconds, then resumes it
 (a helper process sends SIGCONT), like a machine that freezes and comes back.
@@ -55,9 +58,9 @@ every outer-gradient part it sends and every averaged shard it returns is malfor
 Example, as a test would write it::
 
     >>> FaultPlan.parse("kill at round 3 during reduce").faults[0]
-    Fault(action='kill', round=3, stage='reduce', seconds=0.0, mode='', factor=1.0)
+    Fault(action='kill', round=3, stage='reduce', seconds=0.0, mode='', factor=1.0, group=0)
     >>> FaultPlan.parse("poison at round 2 with scale 1e6").faults[0]
-    Fault(action='poison', round=2, stage='delta', seconds=0.0, mode='scale', factor=1000000.0)
+    Fault(action='poison', round=2, stage='delta', seconds=0.0, mode='scale', factor=1000000.0, group=0)
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ if TYPE_CHECKING:  # the CLI checks a plan without loading torch
 STAGES = ("inner", "matchmaking", "send", "reduce", "receive", "commit", "checkpoint", "serve")
 _LINE = re.compile(
     r"^\s*(?P<action>kill|hang|drop)(?:\s+for\s+(?P<seconds>\d+(?:\.\d+)?)\s*s)?\s+at\s+round\s+(?P<round>\d+)"
-    r"\s+during\s+(?P<stage>[a-z]+)\s*$"
+    r"\s+during\s+(?P<stage>[a-z]+)(?:\s+in\s+a\s+group\s+of\s+(?P<group>\d+))?\s*$"
 )
 _POISON = re.compile(
     r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale|climb|diverge)"
@@ -109,6 +112,7 @@ class Fault:
     seconds: float = 0.0
     mode: str = ""
     factor: float = 1.0
+    group: int = 0  # ``in a group of N``: only in a round whose group has at least N members
 
 
 @dataclass
@@ -158,7 +162,10 @@ class FaultPlan(FaultHooks):
                 raise FaultPlanError(f"fault {line.strip()!r}: stage must be one of {', '.join(STAGES)}")
             if m["action"] in ("hang", "drop") and not m["seconds"]:
                 raise FaultPlanError(f"fault {line.strip()!r}: {m['action']} needs a duration ('for 20 s')")
-            faults.append(Fault(m["action"], int(m["round"]), stage, float(m["seconds"] or 0)))
+            if m["group"] and stage != "commit":
+                raise FaultPlanError(f"fault {line.strip()!r}: 'in a group of N' is known only during commit")
+            faults.append(Fault(m["action"], int(m["round"]), stage, float(m["seconds"] or 0),
+                                group=int(m["group"] or 0)))
         return cls(faults)
 
     def __bool__(self) -> bool:
@@ -237,9 +244,9 @@ class FaultPlan(FaultHooks):
     def served_states(self, states: Sequence[Any], version: int) -> Sequence[Any]:
         return forged_states(states) if self.lying("state", version + 1) else states
 
-    def _next(self, stage: str, round_: int) -> int | None:
+    def _next(self, stage: str, round_: int, group: int = 0) -> int | None:
         for i, f in enumerate(self.faults):
-            if f.stage == stage and round_ >= f.round and i not in self._fired:
+            if f.stage == stage and round_ >= f.round and group >= f.group and i not in self._fired:
                 return i
         return None
 
@@ -247,9 +254,9 @@ class FaultPlan(FaultHooks):
         """Whether :meth:`fire` with these arguments would carry out a fault."""
         return self._next(stage, round_) is not None
 
-    def fire(self, stage: str, round_: int) -> None:
+    def fire(self, stage: str, round_: int, group: int = 0) -> None:
         """Carry out the first matching fault that has not fired yet (each fires once)."""
-        i = self._next(stage, round_)
+        i = self._next(stage, round_, group)
         if i is not None:
             self._fired.add(i)
             _execute(self.faults[i])

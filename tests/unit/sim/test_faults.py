@@ -14,6 +14,7 @@ def test_parse_one_line_per_fault():
 
 
 @pytest.mark.parametrize("bad", ["kill at round x during inner", "hang at round 2 during inner",
+                                 "kill at round 2 during send in a group of 3",
                                  "kill at round 2 during lunch", "explode at round 1 during inner"])
 def test_bad_plans_are_refused_with_one_line(bad):
     with pytest.raises(FaultPlanError) as e:
@@ -112,3 +113,15 @@ def test_malformations_last_until_the_next_one_and_name_their_kind():
     assert not plan.due("send", 3)  # a malformation is carried out on the wire, not fired at a stage
     with pytest.raises(FaultPlanError, match="KIND one of nan, inf"):
         FaultPlan.parse("malform at round 3 with everything")
+
+
+def test_a_fault_in_a_group_of_n_waits_for_a_round_with_that_many_members(monkeypatch):
+    fired = []
+    monkeypatch.setattr("p2p_diloco.sim.faults._execute", fired.append)
+    plan = FaultPlan.parse("kill at round 2 during commit in a group of 3")
+    assert plan.faults == [Fault("kill", 2, "commit", group=3)]
+    plan.fire("commit", 2, group=2)  # a pair: the others could not commit without this learner's signature
+    plan.fire("commit", 3)
+    assert fired == []
+    plan.fire("commit", 3, group=3)
+    assert fired == [Fault("kill", 2, "commit", group=3)]

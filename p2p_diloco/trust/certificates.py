@@ -171,7 +171,7 @@ class Verifier:
 
     def needed(self) -> int:
         """How many valid signers a certificate needs now."""
-        return needed_signers(self.quorum, self.round_quorum() if self.round_quorum is not None else 0)
+        return needed_signers(self.quorum, self.round_quorum)
 
     def check(self, fragment: int, version: int, sha: str, certificates: Sequence[Any]) -> str:
         """"" if ``certificates`` (a state's, as served) certify (fragment, version, sha); else why not."""
@@ -220,8 +220,9 @@ class Verifier:
         return cert.commit.contributors
 
 
-def needed_signers(quorum: int, round_quorum: int) -> int:
-    """The signers a certificate needs: K (``quorum``), and at least half the quorum a round needs today.
+def needed_signers(quorum: int, round_quorum: Callable[[], int] | None) -> int:
+    """The signers a certificate needs: K (``quorum``), and at least half the quorum a round needs today
+    (``round_quorum()``; None: K alone).
 
     Every honest round's group held at least the round quorum of its day (a majority of the learners
     training), and its members all sign, so half of today's leaves room for a swarm that has grown since
@@ -229,10 +230,10 @@ def needed_signers(quorum: int, round_quorum: int) -> int:
     members, K of them and fewer than a quarter of the learners training, can no longer certify a state
     of their choosing.
 
-    >>> needed_signers(2, 3), needed_signers(2, 5), needed_signers(2, 9)
-    (2, 3, 5)
+    >>> [needed_signers(2, lambda: q) for q in (3, 5, 9)], needed_signers(2, None)
+    ([2, 3, 5], 2)
     """
-    return max(quorum, (round_quorum + 1) // 2)
+    return max(quorum, (round_quorum() + 1) // 2) if round_quorum is not None else quorum
 
 
 class Certifier(Protocol):

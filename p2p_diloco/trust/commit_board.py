@@ -9,7 +9,7 @@ same commit from every contributor, or from at least the quorum (K, and half a r
 deadline comes: then the round fails (nothing is committed; the learner's outer gradient stays in the
 exactly-once ledger, as for any round that may have committed elsewhere).
 
-A member that signs and then fails to collect K signatures may see the others commit (with its
+A member that signs and then fails to collect the quorum's signatures may see the others commit (with its
 signature among theirs); it then adopts their certified state like any learner that missed a round.
 """
 
@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 _RECORD_SECONDS = 300.0  # how long a signature stays in the DHT: long enough for late groupmates
 _MAX_VALUE_BYTES = 64 * 1024
+
+
+def commit_key(lineage: str, fragment: int, version: int) -> str:
+    """The DHT key under which a round's members store their signatures of its commit."""
+    return f"{lineage}_commit_{fragment}_{version}"
 
 
 def _peer_of(subkey: Any) -> str | None:
@@ -74,13 +79,12 @@ class CommitBoard:
         """
         mine = Signature.make(self.key, commit)
         cert = Certificate(commit, (mine,))
-        # the signers a verifier will ask for (Verifier.needed)
-        quorum = needed_signers(self.quorum, self.round_quorum() if self.round_quorum is not None else 0)
+        quorum = needed_signers(self.quorum, self.round_quorum)  # what a verifier will ask for (Verifier.needed)
         # A merge of lineages names no contributors: it waits for a quorum like a round of K.
         everyone = max(len(commit.contributors), quorum, 1)
         if everyone <= 1:
             return cert  # a round of one: our own signature is the whole certificate
-        key = f"{self.lineage}_commit_{commit.fragment}_{commit.version}"
+        key = commit_key(self.lineage, commit.fragment, commit.version)
         started, reached = time.monotonic(), None
         limit = max(self.timeout, patience) if math.isfinite(patience) else self.timeout
         if verify is not None:

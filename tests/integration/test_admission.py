@@ -27,6 +27,7 @@ from p2p_diloco.net.averaging import HivemindAveraging, averaging_prefix, downlo
 from p2p_diloco.net.dht import start_dht
 from p2p_diloco.net.progress_records import ProgressBoard, ProgressRecord, progress_key
 from p2p_diloco.trust.admission import Admission, peer_id_of
+from p2p_diloco.trust.commit_board import commit_key
 from p2p_diloco.trust.signed_matchmaking import SignedGroupKeyManager, declared
 from p2p_diloco.trust.signed_records import IdentityKey, owner_marker, peer_id_of_owner
 
@@ -214,7 +215,7 @@ def test_a_plain_value_cannot_squat_a_rounds_key(tmp_path):
     sketches or signatures. Every node of the swarm now refuses a record that names no owner."""
     lineage = "lin"
     prefix = averaging_prefix(lineage)
-    keys = [f"{lineage}_commit_0_7", group_key(prefix, 0, 7), sketch_key(prefix, "seed-7")]
+    keys = [commit_key(lineage, 0, 7), group_key(prefix, 0, 7), sketch_key(prefix, "seed-7")]
     started: list = []
     try:
         members = _signing_members(tmp_path, started)

@@ -11,6 +11,7 @@ any import of hivemind, ``torch.distributed`` or another subpackage).
 - :mod:`.exclusion`: which contributions a round leaves out, decided alike by every member.
 - :mod:`.directions`: a count sketch of each outer gradient, and who points away from the others.
 - :mod:`.shard_sketches`: random projections that check what a reducer returned.
+- :mod:`.standing`: how many certified rounds each identity contributed to; who is established (open swarms).
 - :mod:`.grace`: the adaptive grace window after the quorum.
 - :mod:`.pace`: the round period and overlap from measurements (``sync.pace = "auto"``).
 - :mod:`.quantization`: low-bit wire formats for outer gradients (the arithmetic).

@@ -8,7 +8,7 @@ tests implement it in-process. A round's failures are values the caller catches:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,12 +71,14 @@ class Averaging(Protocol):
         fragment: int = 0,
         grace: float | None = None,
         search_seconds: float | None = None,
+        standing: Mapping[str, int] | None = None,
     ) -> AverageResult:
         """Average ``deltas`` with a group at (``fragment``, ``version``); raise :class:`RoundFailed` if
         none forms or the group excluded our contribution, :class:`RoundSuperseded` when the swarm moved
         past ``version`` meanwhile. ``metadata`` is gathered to the group (with ``weight`` and what
         :mod:`p2p_diloco.core.exclusion` needs added). ``search_seconds``: how long to look for a group at most
-        (None: ``averaging.round_timeout``); never less than the wait for the group's scheduled start."""
+        (None: ``averaging.round_timeout``); never less than the wait for the group's scheduled start. ``standing``:
+        the fragment state's (:mod:`p2p_diloco.core.standing`: who counts toward the group's quorum, weight ramps)."""
         ...
 
     def set_state_priority(self, version: int) -> None:

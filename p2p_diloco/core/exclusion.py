@@ -254,11 +254,13 @@ class Verdict:
 
 
 def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] | None = None,
-          dissent: Mapping[str, str] | None = None) -> Verdict:
+          dissent: Mapping[str, str] | None = None, ramp: Mapping[str, float] | None = None) -> Verdict:
     """Apply the module's rule to a group's gathered metadata (peer id → dict). ``forged``: the members
     whose metadata does not carry their own signature (:mod:`p2p_diloco.trust.signed_metadata`), with why;
     they are excluded before anything they said counts (and not banned). ``dissent``: the members that gathered
-    other rules than the group's (:func:`group_rules`), with why; excluded and banned.
+    other rules than the group's (:func:`group_rules`), with why; excluded and banned. ``ramp``: the share of its
+    bounded weight each member counts with (:func:`p2p_diloco.core.standing.ramp`: a fresh identity's is small;
+    absent: 1).
 
     >>> meta = lambda n: {"norm": n, "finite": True, "weight": 1.0}
     >>> v = judge({"a": meta(1.0), "b": meta(1.2), "c": meta(100.0), "d": meta(float("nan"))}, Rules(8.0))
@@ -283,6 +285,7 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
         weight = _number(meta.get("weight", 1.0))
         assert weight is not None  # checked by _broken
         weights[peer], bounded_why = _bounded_weight(meta, weight, rules, source)
+        weights[peer] *= (ramp or {}).get(peer, 1.0)
         if bounded_why:
             bounded[peer] = bounded_why
         if meta.get("norm") is not None:

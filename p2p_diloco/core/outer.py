@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.core import standing as standings
 
 HISTORY_LENGTH = 512
 CONTRIBUTOR_VERSIONS = 32  # versions whose contributors a state remembers (see GlobalState.contributors)
@@ -84,6 +85,13 @@ class GlobalState:
     # peer that downloads this state check that a quorum committed it (p2p_diloco/trust/certificates.py).
     # Opaque here, checked where they are used. Not part of the hash.
     certificates: list[dict[str, Any]] = field(default_factory=list)
+    # Peer → how many committed versions of this state's fragment it contributed to
+    # (p2p_diloco/core/standing.py: who is established). Part of the hash.
+    standing: dict[str, int] = field(default_factory=dict)
+
+    def credit(self, contributors: Iterable[str]) -> None:
+        """Credit ``contributors`` with the version this state just reached (before its hash is taken)."""
+        self.standing = standings.credited(self.standing, contributors)
 
     def add_certificate(self, version: int, certificate: dict[str, Any]) -> None:
         """Carry ``certificate`` as the one of ``version``; only the newest :data:`CERTIFIED_VERSIONS` are kept."""
@@ -129,8 +137,8 @@ class GlobalState:
         return [*self.params, *self.momentum]
 
     def sha256(self) -> str:
-        """Hash of the tensors, version, momentum flag and tokens (not the history or contributors)."""
-        return state_sha256(self.tensors(), self.version, self.momentum_initialized, self.tokens)
+        """Hash of the tensors, version, momentum flag, tokens and standing (not the history or contributors)."""
+        return state_sha256(self.tensors(), self.version, self.momentum_initialized, self.tokens, self.standing)
 
     def to_dict(self, tensors: bool = True) -> dict[str, Any]:
         """The one serialised form, for checkpoints (with tensors) and for the metadata served to peers
@@ -140,6 +148,7 @@ class GlobalState:
             "history": [list(h) for h in self.history],
             "contributors": [[v, list(peers)] for v, peers in self.contributors],
             "certificates": list(self.certificates),
+            "standing": dict(self.standing),
         }
         if tensors:
             out["params"], out["momentum"] = self.params, self.momentum
@@ -174,6 +183,10 @@ class GlobalState:
         if not (isinstance(certificates, list | tuple) and len(certificates) <= 2 * CERTIFIED_VERSIONS
                 and all(isinstance(c, dict) for c in certificates)):
             raise StateFormatError("malformed certificates")
+        try:
+            standing_ = standings.parsed(data.get("standing", {}))
+        except ValueError as e:
+            raise StateFormatError(str(e)) from None
         params, momentum = data.get("params"), data.get("momentum")
         if not (isinstance(params, list) and isinstance(momentum, list) and len(params) == len(momentum)
                 and all(isinstance(t, torch.Tensor) for t in [*params, *momentum])):
@@ -181,7 +194,7 @@ class GlobalState:
         return cls(params=params, momentum=momentum, version=version, momentum_initialized=init, tokens=tokens,
                    history=[(int(v), str(h)) for v, h in history],
                    contributors=[(int(v), tuple(map(str, peers))) for v, peers in contributors],
-                   certificates=list(certificates))
+                   certificates=list(certificates), standing=standing_)
 
     def copy(self) -> GlobalState:
         """A deep copy: cloned tensors, new history and contributors lists."""
@@ -194,6 +207,7 @@ class GlobalState:
             history=list(self.history),
             contributors=list(self.contributors),
             certificates=list(self.certificates),
+            standing=dict(self.standing),
         )
 
 
@@ -209,11 +223,15 @@ def is_sha256(value: object) -> bool:
 
 
 def state_sha256(
-    tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool, tokens: int = 0
+    tensors: Sequence[torch.Tensor], version: int, momentum_initialized: bool, tokens: int = 0,
+    standing: Mapping[str, int] | None = None,
 ) -> str:
-    """SHA-256 (hex) of the version, momentum flag and tokens, then each tensor's shape and raw bytes, in order."""
+    """SHA-256 (hex) of the version, momentum flag, tokens and standing (when not empty), then each tensor's
+    shape and raw bytes, in order."""
     h = hashlib.sha256()
     h.update(f"v{version}m{int(momentum_initialized)}t{int(tokens)}".encode())
+    if standing:
+        h.update(b"s" + standings.to_bytes(standing))
     for t in tensors:
         t = t.detach().contiguous().cpu()
         h.update(str(tuple(t.shape)).encode())
@@ -396,6 +414,7 @@ def merge_lineages(a: GlobalState, b: GlobalState) -> GlobalState:
         momentum_initialized=first.momentum_initialized or second.momentum_initialized,
         tokens=max(first.tokens, second.tokens),
         history=sorted({(v, h) for v, h in [*first.history, *second.history]}),
+        standing=standings.merged(first.standing, second.standing),
     )
     for v, peers in [*first.contributors, *second.contributors]:
         # Both lineages may have a version v; a learner in either one's round contributed to the merge.

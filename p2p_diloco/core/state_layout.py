@@ -137,7 +137,8 @@ def parse_download(
             state = GlobalState.from_dict({**entries[f], "params": chunk[:n], "momentum": chunk[n:]})
         except StateFormatError as e:
             return {}, f"fragment {f}: {e}"
-        if state_sha256(chunk, state.version, state.momentum_initialized, state.tokens) != entries[f].get("sha256"):
+        sha = state_sha256(chunk, state.version, state.momentum_initialized, state.tokens, state.standing)
+        if sha != entries[f].get("sha256"):
             return {}, f"hash of fragment {f} does not match the advertised sha256"
         states[f] = state
     return states, ""

@@ -38,12 +38,15 @@ class Progress:
     def __init__(self, board: ProgressBoard, state: LearnerState, record_ttl: float, *, client: bool = False,
                  resources: Callable[[], dict[str, Any]] = dict, audit: Audit | None = None,
                  metrics: Metrics | None = None, traffic: Callable[[], dict[str, dict[str, int]]] = dict,
-                 pace: Pace | None = None, faults: FaultHooks = NO_FAULTS):
+                 pace: Pace | None = None, faults: FaultHooks = NO_FAULTS,
+                 established: Callable[[], frozenset[str] | None] = lambda: None):
         """``client``: we average as a client (:mod:`p2p_diloco.net.reach`), so a group needs a reachable member;
         ``resources``: the record's resource fields (:func:`p2p_diloco.learner.metrics.resources`); ``audit``:
         where the joins and leaves the heartbeat sees go; ``metrics``: told how many other learners are
         visible, and ``traffic``'s DHT RPC counts; ``pace`` (``sync.pace = auto``): our proposed period goes
-        out, the swarm's comes in; ``faults``: a test's plan (``lie ... with ahead`` forges our record)."""
+        out, the swarm's comes in; ``faults``: a test's plan (``lie ... with ahead`` forges our record);
+        ``established``: the peers that count toward the majority quorum (None: everyone;
+        :mod:`p2p_diloco.core.standing`)."""
         self.board, self.state, self.period = board, state, record_ttl / 3
         self.status: Status = "training"
         self.stale = False  # set after a failed round: the swarm may have moved on
@@ -58,6 +61,7 @@ class Progress:
         self.metrics, self.traffic = metrics, traffic
         self.swarm = SwarmWatch(gone_after=2 * record_ttl)
         self.pace = pace
+        self.established = established
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -96,9 +100,13 @@ class Progress:
 
     def training_learners(self) -> int:
         """How many learners are training, ourselves always included (a majority quorum's base: learners done
-        or gone join no round): those the records show training, remembered as :meth:`recently_training` says."""
+        or gone join no round): those the records show training, remembered as :meth:`recently_training` says,
+        and established (:mod:`p2p_diloco.core.standing`): keys that announce themselves raise the quorum only
+        once rounds certified their contributions."""
         self.records(fresh=False)  # looked up afresh if none was read yet or a round failed since (stale)
-        return 1 + sum(peer != self.state.peer_id for peer in self.recently_training(trusted_only=False))
+        established = self.established()
+        return 1 + sum(peer != self.state.peer_id and (established is None or peer in established)
+                       for peer in self.recently_training(trusted_only=False))
 
     def recently_training(self, trusted_only: bool = True) -> dict[str, ProgressRecord]:
         """The learners (ours included) whose last record said training, seen by a read within the last

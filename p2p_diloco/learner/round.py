@@ -150,7 +150,7 @@ class OuterRound:
         try:
             result = self.averaging.average(
                 self._delta, float(self.weight), meta, self.state.version, fragment=self.fragment, grace=self.grace,
-                search_seconds=self.search_seconds,
+                search_seconds=self.search_seconds, standing=self.state.standing,
             )
         except RoundSuperseded as e:
             outcome = self._fail(str(e))
@@ -178,6 +178,7 @@ class OuterRound:
             span = round_span((s for _, s in steps), self.steps_per_outer)
         self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work, span=span)
         self.state.record_contributors(self.state.version, contributors)
+        self.state.credit(contributors)  # their standing (p2p_diloco/core/standing.py), in the new state's hash
         new_sha = self.state.sha256()
         certifying = time.perf_counter()
         if self.certifier is not None:

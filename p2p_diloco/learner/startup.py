@@ -326,9 +326,11 @@ def _rounds(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, aud
             averaging: HivemindAveraging, leaving: Leaving, faults: FaultHooks,
             after_merge: Callable[[], None]) -> tuple[CatchUp, Rounds]:
     """The round schedule and catch-up; ``after_merge`` runs after a commit or a state taken from peers."""
+    established = _established(cfg, local.state)
     board = CommitBoard(dht, lineage, local.key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout,
-                        round_quorum=averaging.round_quorum)
-    verifier = Verifier(lineage, cfg.averaging.min_group_size, local.admission.allowed, averaging.round_quorum)
+                        round_quorum=averaging.round_quorum, established=established)
+    verifier = Verifier(lineage, cfg.averaging.min_group_size, local.admission.allowed, averaging.round_quorum,
+                        established=established)
     catch_up = CatchUp(cfg, local.state, averaging, progress, should_stop=leaving, verifier=verifier,
                        certifier=board, audit=audit, on_adopt=after_merge)
     grace = GraceWindow(cfg.sync.overlap_steps, cfg.sync.grace_gamma, cfg.averaging.matchmaking_time,
@@ -337,6 +339,11 @@ def _rounds(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, aud
                     after_merge, certifier=board, metrics=local.metrics, audit=audit, pace=progress.pace,
                     faults=faults)
     return catch_up, rounds
+
+
+def _established(cfg: LearnerConfig, state: LearnerState) -> Callable[..., frozenset[str] | None]:
+    """Who is established (:mod:`p2p_diloco.core.standing`), by one fragment's standing or (no argument) any's."""
+    return functools.partial(state.established, cfg.averaging.established_after, cfg.averaging.min_group_size)
 
 
 def pace_floor(cfg: LearnerConfig) -> float:
@@ -419,6 +426,7 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, reach: Reach, local: _Local, fault
         state, ttl, client=reach.client,
         resources=lambda: resources(local.trainer, state.counters, began, metrics, reach.record_value, address),
         audit=audit, metrics=metrics, traffic=functools.partial(read_traffic, dht), pace=_pace(cfg), faults=faults,
+        established=_established(cfg, state),
     )
     # Announce ourselves at once, before the download, so that learners finishing the run see a
     # newcomer behind them and keep serving state until it has caught up.

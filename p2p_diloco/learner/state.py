@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from p2p_diloco.core import standing as standings
 from p2p_diloco.core.fragments import Fragment
 from p2p_diloco.core.outer import GlobalState
 from p2p_diloco.core.state_layout import ServedState, whole_sha256
@@ -160,6 +161,16 @@ class LearnerState:
             state.params = [t if t.is_pinned() else t.pin_memory() for t in state.params]
             state.momentum = [t if t.is_pinned() else t.pin_memory() for t in state.momentum]
         return state
+
+    def established(self, after: int, floor: int, fragment: int | None = None) -> frozenset[str] | None:
+        """The established peers by one fragment's standing, or by any fragment's (``fragment`` None): see
+        :func:`p2p_diloco.core.standing.established`; None while everyone counts. A fragment we do not have
+        (a peer's certificate may name any): nobody."""
+        if fragment is not None and not 0 <= fragment < len(self.states):
+            return frozenset()
+        chosen = self.states if fragment is None else [self.states[fragment]]
+        found = [e for s in chosen if (e := standings.established(s.standing, after, floor)) is not None]
+        return frozenset().union(*found) if found else None
 
     def whole_sha256(self) -> str:
         """One hash of every fragment's global state: equal on learners holding the same model."""

@@ -33,6 +33,7 @@ from hivemind.utils.asyncio import achain, as_aiter, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco.core import shard_sketches
+from p2p_diloco.core import standing as standings
 from p2p_diloco.core.averaging_api import StateProvider
 from p2p_diloco.core.exclusion import Rules, Verdict, group_rules, judge
 from p2p_diloco.hooks import NO_FAULTS, FaultHooks
@@ -106,6 +107,8 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         self._served_bytes = [8 * sum(averaged_tensors[i].numel() for i in f) for f in self._fragments]
         self._codecs = list(codecs)
         self._base_quorum = int(kwargs.get("min_group_size", 2))  # K; a majority quorum only raises it
+        self._standing: dict[str, int] = {}  # the round's fragment state's (set_standing); empty: everyone counts
+        self._established_after = 0
         self._base_target = int(kwargs.get("target_group_size") or self._base_quorum)  # and this, to at least itself
         self._round_stats: dict[bytes, dict[str, Any]] = {}
         self._owner: bytes = getattr(dht, "owner", b"")  # our signed subkey (p2p_diloco.trust.signed_matchmaking)
@@ -155,7 +158,8 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
             # With signed records every member signs what it gathers: a leader cannot change it in relaying.
             forged = {p: why for p, m in named.items() if self._owner and (why := signed_metadata.forged(p, m))}
             rules, dissent = group_rules({p: m for p, m in named.items() if p not in forged}, self._rules)
-            verdict = judge(named, rules, forged, dissent)
+            ramp = standings.ramps(self._standing, named, self._established_after, self._base_quorum)
+            verdict = judge(named, rules, forged, dissent, ramp=ramp)
             self._leave_if_excluded(verdict, group_info, mine, fragment)
             self._check_quorum(verdict, group_info, gathered)
             excluded = [str(p) in verdict.excluded for p in group_info.peer_ids]
@@ -204,6 +208,17 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
 
         _settle(future, apply)
 
+    def set_standing(self, standing: dict[str, int], after: int, wait: bool = True):
+        """Judge the next rounds with this standing (:mod:`p2p_diloco.core.standing`): who counts toward the group's
+        quorum (:meth:`_check_quorum`) and the ramp of each contribution's weight (``averaging.established_after``)."""
+        return self._in_averager_process("_set_standing", wait, standing=dict(standing), after=int(after))
+
+    async def _set_standing(self, standing: dict[str, int], after: int, future: MPFuture) -> None:
+        def apply() -> None:
+            self._standing, self._established_after = standing, after
+
+        _settle(future, apply)
+
     def set_go_timeout(self, seconds: float, wait: bool = True):
         """From the next search on, wait up to ``seconds`` past the group's deadline for a leader's go
         (:mod:`p2p_diloco.net.patient_matchmaking`; never less than ``request_timeout``)."""
@@ -222,13 +237,15 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         The group's quorum is K, or, when members gathered a majority quorum of the swarm they see, the
         median of those claims (every member computes the same from the same gathered data; a minority of
         members claiming a huge or a tiny swarm moves it no further than the honest claims around it)."""
-        left = len(group_info.peer_ids) - len(verdict.excluded)
+        established = standings.established(self._standing, self._established_after, self._base_quorum)
+        left = standings.counted((str(p) for p in group_info.peer_ids if str(p) not in verdict.excluded), established)
         quorum = group_quorum(gathered.values(), self._base_quorum)
         if left < quorum:
             self._cancel_registration(group_info)
             names = ", ".join(f"{p[-6:]} ({e.why})" for p, e in sorted(verdict.excluded.items()))
             why = f" left after leaving out {names}" if names else " in the group"
-            raise AllreduceException(f"{left} contribution(s){why}: below the quorum "
+            counts = "" if established is None else " established"
+            raise AllreduceException(f"{left}{counts} contribution(s){why}: below the quorum "
                                      f"{'K' if quorum == self._base_quorum else 'of a majority'} = {quorum}")
 
     def _cancel_registration(self, group_info) -> None:

@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,7 @@ class HivemindAveraging:
     _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
     _allreduces: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=ALLREDUCES_KEPT))
     _go_timeout: float = field(init=False, default=0.0)  # the averager process's wait for a leader's go
+    _standing: dict[str, int] | None = field(init=False, default=None)  # what the averager process judges with
     _control: Any = field(init=False, default=None)  # the step control of the round in progress
 
     def __post_init__(self) -> None:
@@ -197,19 +198,22 @@ class HivemindAveraging:
         fragment: int = 0,
         grace: float | None = None,
         search_seconds: float | None = None,
+        standing: Mapping[str, int] | None = None,
     ) -> AverageResult:
         """Average one fragment's ``deltas`` with a group at (fragment, version).
 
         ``grace``: how long the leader may wait for groupmates beyond the quorum (at least the
         configured matchmaking time, hivemind's own minimum). ``metadata`` without a ``norm`` gathers
         the norm of ``deltas``. ``search_seconds``: how long to look for a group at most (None:
-        ``round_timeout``), never less than a second past the group's scheduled start. Every call counts as one
-        round of this learner's :class:`~p2p_diloco.core.exclusion.Bans`.
+        ``round_timeout``), never less than a second past the group's scheduled start. ``standing``: the fragment
+        state's (:mod:`p2p_diloco.core.standing`): who counts toward the group's quorum, and each contribution's
+        weight ramp. Every call counts as one round of this learner's :class:`~p2p_diloco.core.exclusion.Bans`.
         """
         with self._lock:  # one round at a time
             # The previous round's exclusions become bans as this round starts, after that round logged them.
             self._bans.after_round(self._last_verdict, self.peer_id)
             self._last_verdict = None
+            self._set_standing(standing or {})
             result = self._average(deltas, weight, metadata, version, fragment, grace, search_seconds)
             self._last_verdict = result.verdict
             return result
@@ -237,6 +241,12 @@ class HivemindAveraging:
         if quorum != self._quorum:
             self._averager.set_min_group_size(quorum)
             self._quorum = quorum
+
+    def _set_standing(self, standing: Mapping[str, int]) -> None:
+        """Judge the next round with ``standing`` (sent to the averager process when it changed)."""
+        if standing != self._standing:
+            self._averager.set_standing(dict(standing), self.cfg.established_after)
+            self._standing = dict(standing)
 
     def _set_go_timeout(self) -> None:
         """Wait for a leader's go as long as our recent all-reduces say it may queue (:func:`go_timeout`)."""

@@ -5,5 +5,6 @@
 - :mod:`.faults`: scripted faults as values (``kill at round 3 during reduce``), the
   :class:`~p2p_diloco.hooks.FaultHooks` that tests and ``--faults`` pass to a learner.
 - :mod:`.malformed`: malformed all-reduce messages, as a hostile peer would send them.
+- :mod:`.sybils`: fresh identities of one attacker that announce themselves training and never contribute.
 - :mod:`.regions`: a multi-region swarm in network namespaces or Docker Compose.
 """

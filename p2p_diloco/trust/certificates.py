@@ -122,13 +122,16 @@ class Certificate:
     commit: Commit
     signatures: tuple[Signature, ...]
 
-    def signers(self, admitted: frozenset[str] | None = None) -> set[str]:
+    def signers(self, admitted: frozenset[str] | None = None, established: frozenset[str] | None = None) -> set[str]:
         """Distinct peers whose signatures verify, who may sign this commit (its contributors; anyone for a
-        merge) and who are ``admitted`` (None: everyone)."""
+        merge), who are ``admitted`` (None: everyone) and ``established`` (None: everyone;
+        :mod:`p2p_diloco.core.standing`)."""
         out = set()
         for s in self.signatures[:MAX_SIGNATURES]:
             peer = s.signer(self.commit)
             if peer is None or (admitted is not None and peer not in admitted):
+                continue
+            if established is not None and peer not in established:
                 continue
             if self.commit.contributors and peer not in self.commit.contributors:
                 continue
@@ -162,12 +165,14 @@ class Verifier:
     lineage, signed by at least :func:`needed_signers` distinct peers (``admitted`` ones, in a private swarm).
 
     ``round_quorum``: the quorum a round needs today (``HivemindAveraging.round_quorum``: a majority of the
-    learners training); None: K alone."""
+    learners training); None: K alone. ``established``: fragment → the peers whose signatures count, by our own
+    state's standing (:mod:`p2p_diloco.core.standing`; None from it, or no callable: everyone's)."""
 
     lineage: str
     quorum: int
     admitted: frozenset[str] | None = None
     round_quorum: Callable[[], int] | None = None
+    established: Callable[[int], frozenset[str] | None] | None = None
 
     def needed(self) -> int:
         """How many valid signers a certificate needs now."""
@@ -183,9 +188,11 @@ class Verifier:
         c = cert.commit
         if (c.lineage, c.fragment, c.version, c.sha256) != (self.lineage, fragment, version, sha):
             return f"fragment {fragment} version {version}: the certificate is for another state"
-        signers, needed = cert.signers(self.admitted), self.needed()
+        established = self.established(fragment) if self.established is not None else None
+        signers, needed = cert.signers(self.admitted, established), self.needed()
         if len(signers) < needed:
-            return (f"fragment {fragment} version {version}: certificate signed by {len(signers)} valid "
+            which = "valid" if established is None else "established"
+            return (f"fragment {fragment} version {version}: certificate signed by {len(signers)} {which} "
                     f"signer(s), fewer than the quorum {needed}")
         return ""
 
@@ -215,7 +222,8 @@ class Verifier:
         cert = find(certificates, version)
         if not isinstance(cert, Certificate) or cert.commit.lineage != self.lineage:
             return None
-        if not cert.commit.contributors or len(cert.signers(self.admitted)) < self.needed():
+        established = self.established(cert.commit.fragment) if self.established is not None else None
+        if not cert.commit.contributors or len(cert.signers(self.admitted, established)) < self.needed():
             return None
         return cert.commit.contributors
 

@@ -58,6 +58,8 @@ class CommitBoard:
     should_stop: Callable[[], bool] = lambda: False
     owner_of: Callable[[Any], str | None] = field(default=lambda subkey: _peer_of(subkey))  # subkey → peer id
     round_quorum: Callable[[], int] | None = None  # today's round quorum: a certificate needs half of it too
+    # fragment → the peers whose signatures count (p2p_diloco/core/standing.py); None: everyone's
+    established: Callable[[int], frozenset[str] | None] | None = None
     _me: Signature | None = field(default=None, init=False, repr=False)
 
     def certify(self, commit: Commit, sketch: dict[str, Any] | None = None,
@@ -94,9 +96,10 @@ class CommitBoard:
         value = msgpack.packb({"commit": commit.to_dict(), "signature": mine.to_list()}, use_bin_type=True)
         if not self.dht.store(key, value, get_dht_time() + _RECORD_SECONDS, subkey=self.dht.owner):
             logger.debug(f"could not store our signature of {key} (continuing: peers may still read it)")
+        established = self.established(commit.fragment) if self.established is not None else None
         while True:
             cert = cert.merged_with(self._read(key, commit))
-            signers = len(cert.signers())
+            signers = len(cert.signers(established=established))
             now = time.monotonic()
             if signers >= quorum and reached is None:
                 reached = now
@@ -105,8 +108,9 @@ class CommitBoard:
             if now - started >= limit or self.should_stop():
                 if reached is not None:
                     return cert
+                which = "" if established is None else " established"
                 return (f"commit of fragment {commit.fragment} version {commit.version} not certified: "
-                        f"{signers} of the quorum {quorum} signatures within {limit:g} s")
+                        f"{signers} of the quorum {quorum}{which} signatures within {limit:g} s")
             time.sleep(self.poll)
 
     def _verified(self, sketch_key: str, commit: Commit, sketch: dict[str, Any] | None,

@@ -60,7 +60,7 @@ class FakeAveraging:
     def shutdown(self) -> None:
         pass
 
-    def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None):
+    def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None, standing=None):
         if self.fail or self.group is None:
             raise RoundFailed("no group formed within the round window")
         g = self.group

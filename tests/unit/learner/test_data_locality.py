@@ -39,7 +39,7 @@ def test_the_served_state_is_the_global_model_and_numbers_about_it():
     meta, tensors = snapshot([state])
     assert set(meta) == {"fragments", "sha256"}
     assert set(meta["fragments"][0]) == {"version", "momentum_initialized", "tokens", "history", "contributors",
-                                         "certificates", "sha256"}
+                                         "certificates", "standing", "sha256"}
     # The tensors: Θ then the outer momentum, the model's own shapes.
     assert [tuple(t.shape) for t in tensors] == [tuple(p.shape) for p in model.parameters()] * 2
 

@@ -66,9 +66,9 @@ def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
               "p4": rec("training"), "p5": rec("training")}]
     board = SimpleNamespace(read=lambda: reads[-1])
     progress = Progress(board, SimpleNamespace(peer_id=me), record_ttl=30.0)
-    progress.distrust("p4", 600)
-    clock = [1000.0]
+    clock = [1000.0]  # before the distrust: it is stamped with the same clock (not the machine's uptime)
     monkeypatch.setattr("p2p_diloco.learner.progress.time.monotonic", lambda: clock[0])
+    progress.distrust("p4", 600)
     progress.records(fresh=True)
     # us, p1, p4 and p5; p2 is done and p3 has left (neither joins a round). p4 is distrusted (it served a state that
     # failed our verification): it still trains and commits with others, so it counts, but its proposals do not.
@@ -108,3 +108,18 @@ def test_a_search_is_cut_to_search_seconds_but_never_before_the_groups_scheduled
     assert search_timeout(30.0, 2.5, 1.0, 2.5) == 3.5
     assert search_timeout(30.0, 2.5, None, 0.0) == 3.5
     assert search_timeout(30.0, 2.5, 1.0, 60.0) == 30.0  # never longer than it would have been
+
+
+def test_fresh_identities_do_not_raise_the_majority_quorum():
+    """Four keys that announce themselves training (one attacker's, or newcomers') beside three learners with
+    standing: the base of the majority is the three, so their rounds still commit; once everyone counts (a
+    swarm's first rounds) the seven count."""
+    def rec():
+        return ProgressRecord(1, "a" * 64, 0, "training", versions=(1,), shas=("a" * 64,))
+    me, honest, fresh = "me", ["h1", "h2"], ["s1", "s2", "s3", "s4"]
+    board = SimpleNamespace(read=lambda: {p: rec() for p in [me, *honest, *fresh]})
+    established: list = [frozenset({me, *honest})]
+    progress = Progress(board, SimpleNamespace(peer_id=me), record_ttl=30.0, established=lambda: established[0])
+    assert progress.training_learners() == 3
+    established[0] = None
+    assert progress.training_learners() == 7

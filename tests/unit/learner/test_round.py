@@ -73,7 +73,7 @@ class _StubAveraging:
     def __init__(self, deltas, groupmates, seconds=0.0):
         self.deltas, self.groupmates, self.seconds = deltas, groupmates, seconds
 
-    def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None):
+    def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None, standing=None):
         from p2p_diloco.core.averaging_api import AverageResult
 
         mates = {k: (dict(metadata) if v == "same" else v) for k, v in self.groupmates.items()}

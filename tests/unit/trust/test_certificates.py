@@ -271,3 +271,45 @@ def test_the_wait_for_signatures_lasts_at_least_the_rounds_all_reduce(peers):
     for patience in (0.0, 0.05, float("nan"), float("inf")):  # shorter than the timeout, or not a duration
         out = board.certify(_commit(peers), patience=patience)
         assert isinstance(out, str) and "within 0.1 s" in out, patience
+
+
+@pytest.fixture(scope="module")
+def swarm_of_seven(tmp_path_factory):
+    """(peer id, key) of 3 honest learners and 4 fresh identities of one attacker."""
+    d = tmp_path_factory.mktemp("seven")
+    return [(peer_id_of(d / f"{i}.key"), IdentityKey.load(d / f"{i}.key")) for i in range(7)]
+
+
+def test_four_fresh_identities_cannot_certify_a_state_of_their_choosing(swarm_of_seven):
+    """3 established learners and 4 keys that one attacker made a moment ago: the keys name only themselves as
+    contributors of a chosen state and all sign. Counted as identities (7 records training: a majority of 4, so
+    2 signers) they certify it; counted by standing they are nobody, and the swarm's quorum is that of the 3."""
+    from p2p_diloco.core import standing as standings
+
+    honest, sybils = swarm_of_seven[:3], swarm_of_seven[3:]
+    standing = {p: 6 for p, _ in honest}  # six certified rounds each; the attacker's keys none
+
+    def established(fragment):
+        return standings.established(standing, after=4, floor=2)
+
+    chosen = Commit("run-lin", 0, 5, "c" * 64, PARENT, tuple(sorted(p for p, _ in sybils)))
+    colluded = [Certificate(chosen, tuple(Signature.make(k, chosen) for _, k in sybils)).to_dict()]
+    assert Verifier("run-lin", 2, round_quorum=lambda: 4).check(0, 5, "c" * 64, colluded) == ""  # the hole
+    guarded = Verifier("run-lin", 2, round_quorum=lambda: 2, established=established)
+    assert "0 established signer(s), fewer than the quorum 2" in guarded.check(0, 5, "c" * 64, colluded)
+    assert guarded.contributors(5, colluded) is None
+
+    # An honest round with one of the keys among its contributors is certified by its established members.
+    mixed = Commit("run-lin", 0, 5, SHA, PARENT, tuple(sorted([*(p for p, _ in honest), sybils[0][0]])))
+    signed = [Certificate(mixed, tuple(Signature.make(k, mixed) for _, k in [*honest[:2], sybils[0]])).to_dict()]
+    assert guarded.check(0, 5, SHA, signed) == ""
+    assert guarded.contributors(5, signed) == mixed.contributors
+
+    # The attacker's own board does not reach a quorum either: its keys' signatures do not count.
+    shared: dict = {}
+    for i, (_, k) in enumerate(sybils[1:]):
+        shared.setdefault("run-lin_commit_0_5", {})[f"s{i}".encode()] = SimpleNamespace(value=msgpack.packb(
+            {"commit": chosen.to_dict(), "signature": Signature.make(k, chosen).to_list()}))
+    board = CommitBoard(_Dht(shared, b"me"), "run-lin", sybils[0][1], quorum=2, timeout=0.3, poll=0.01,
+                        established=established)
+    assert "0 of the quorum 2 established signatures" in board.certify(chosen)

@@ -125,7 +125,8 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
     async def _step(self, **kwargs):
         mm = PatientMatchmaking.adopt(self._matchmaking)  # hivemind builds it in the averager process; every
         if not isinstance(mm.group_key_manager, SignedGroupKeyManager):  # round passes here first
-            mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner)
+            mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner,
+                                                         poll_interval=mm.min_matchmaking_time / POLLS_PER_WINDOW)
         return await super()._step(**kwargs)
 
     async def _declare_for_download_periodically(self):
@@ -420,6 +421,7 @@ def _agreed_fragment(gathered: dict, num_fragments: int) -> int:
 
 
 
+POLLS_PER_WINDOW = 8  # reads of the group key per matchmaking time, at most (trust/signed_matchmaking.py)
 MAX_QUORUM = 1_000_000  # a claimed quorum above this is malformed
 
 

@@ -11,10 +11,18 @@ owner-marked entries and ignores the rest (unsigned or from an older version).
 
 With a DHT that signs nothing (``owner`` empty: tests with a bare hivemind DHT) hivemind's peer-ID
 subkeys are kept.
+
+Reads of a group key are paced (``poll_interval``): hivemind's search for a leader reads the key again as
+soon as its queue of candidate leaders is empty, which, while we wait as a leader or before anyone else has
+declared, is back to back. In the 3-learner demo that was about 660 reads per learner in 40 s, each a
+search of every node that returns every declaration, and most of a learner's DHT bytes (docs/scale.md,
+"Control-plane bytes").
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -56,9 +64,11 @@ class SignedGroupKeyManager(GroupKeyManager):
     """hivemind's :class:`GroupKeyManager`, declaring under this peer's owner marker and reading only
     declarations whose subkey names (and whose signature proves) their owner."""
 
-    def __init__(self, base: GroupKeyManager, owner: bytes):  # noqa: D107 - takes over an existing manager
-        self.__dict__.update(base.__dict__)  # group bits and target size as hivemind set them
+    def __init__(self, base: GroupKeyManager, owner: bytes, poll_interval: float = 0.0):  # noqa: D107
+        self.__dict__.update(base.__dict__)  # takes over hivemind's manager: group bits and target size as set
         self.owner = owner
+        self.poll_interval = poll_interval  # the least time between two reads of a group key (seconds)
+        self._last_read = float("-inf")
 
     async def declare_averager(self, group_key: GroupKey, peer_id: PeerID, expiration_time: float,
                                looking_for_group: bool = True) -> bool:
@@ -71,6 +81,10 @@ class SignedGroupKeyManager(GroupKeyManager):
 
     async def get_averagers(self, group_key: GroupKey, only_active: bool) -> list[tuple[PeerID, DHTExpiration]]:
         assert is_valid_group(group_key), f"group key {group_key} is invalid"
+        wait = self._last_read + self.poll_interval - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last_read = time.monotonic()
         result = await self.dht.get(group_key, latest=True, return_future=True)
         if result is None:
             return []

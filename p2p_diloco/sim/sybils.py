@@ -12,6 +12,8 @@ Run it (a bootstrap node at ADDR, a run id RUN)::
 
     python -m p2p_diloco.sim.sybils --initial-peers ADDR --run-id RUN --identities 4 --seconds 120
 
+``--from-version N`` waits until an honest learner's record shows version N before it announces the keys.
+
 It stops on SIGTERM or Ctrl+C or after ``--seconds``, and its DHT process and p2pd with it.
 """
 
@@ -71,8 +73,9 @@ def newest_honest(records: dict[str, bytes], ours: set[str]) -> ProgressRecord |
 
 
 def run(initial_peers: Sequence[str], run_id: str, identities: int, seconds: float, ttl: float,
-        host: str = "/ip4/127.0.0.1/tcp/0") -> int:
-    """Publish the identities' records until ``seconds`` pass or a signal comes; how many records were stored."""
+        host: str = "/ip4/127.0.0.1/tcp/0", from_version: int = 0) -> int:
+    """Publish the identities' records until ``seconds`` pass or a signal comes, once the newest honest record
+    reached ``from_version``; how many records were stored."""
     from p2p_diloco.net.dht import LinkedDHT
 
     keys = [RSAPrivateKey() for _ in range(identities)]
@@ -94,7 +97,7 @@ def run(initial_peers: Sequence[str], run_id: str, identities: int, seconds: flo
                 raw = {str(p): item.value for sub, item in entries.items()
                        if (p := peer_id_of_owner(sub)) is not None}
                 honest = newest_honest(raw, ids)
-                if honest is None:
+                if honest is None or honest.version < from_version:
                     continue
                 record = dataclasses.replace(honest, wall_time=time.time(), reach="client", address="",
                                              tokens_per_second=0.0, tokens_contributed=0, excluded=(), heals=0)
@@ -114,11 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--identities", type=int, default=4, help="how many fresh keys to announce")
     parser.add_argument("--seconds", type=float, default=120.0, help="how long to keep announcing them")
     parser.add_argument("--ttl", type=float, default=8.0, help="each record's lifetime (network.record_ttl)")
+    parser.add_argument("--from-version", type=int, default=0,
+                        help="announce the keys only once an honest learner's record shows this version")
     args = parser.parse_args(argv)
-    if args.identities < 1 or args.seconds <= 0 or args.ttl <= 0:
-        parser.error("--identities, --seconds and --ttl must be positive")
+    if args.identities < 1 or args.seconds <= 0 or args.ttl <= 0 or args.from_version < 0:
+        parser.error("--identities, --seconds and --ttl must be positive, --from-version at least 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s sybils: %(message)s")
-    return 0 if run(args.initial_peers, args.run_id, args.identities, args.seconds, args.ttl) > 0 else 1
+    stored = run(args.initial_peers, args.run_id, args.identities, args.seconds, args.ttl,
+                 from_version=args.from_version)
+    return 0 if stored > 0 else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRAINING_MEMORY = 180.0  # seconds a learner seen training counts for the majority quorum after reads miss it
+WATCH_REUSE_SECONDS = 2.0  # a read of the records this recent answers the matchmaking watch (docs/scale.md)
 
 
 class Progress:
@@ -51,6 +52,7 @@ class Progress:
         self.status: Status = "training"
         self.stale = False  # set after a failed round: the swarm may have moved on
         self._seen: dict[str, ProgressRecord] | None = None
+        self._latest: tuple[dict[str, ProgressRecord], float] = ({}, float("-inf"))  # the newest read, and when
         self.faults, self.resources = faults, resources
         self._distrusted: dict[str, float] = {}  # peer → monotonic time until which its records are ignored
         # Peer (ours included) → its last record that said training, and when a read showed it (monotonic).
@@ -94,7 +96,7 @@ class Progress:
         """The swarm's records (ours included): looked up now, or as last seen by the heartbeat."""
         if fresh or self._seen is None or self.stale:
             self.stale = False  # before the lookup: a round failing meanwhile marks it stale again
-            self._seen = self.board.read()
+            self._seen = self._read()
             self._remember(self._seen)
         return self._seen
 
@@ -152,16 +154,26 @@ class Progress:
         return {p: r for p, r in self.records(fresh).items() if p != self.state.peer_id and self._trusted(p)}
 
     def newest_live_version(self, fragment: int = 0) -> int:
-        """The newest version of ``fragment`` any other live, trusted learner that serves its state holds (a fresh
-        DHT lookup; called from the round thread, so it leaves the training loop's cached records alone).
+        """The newest version of ``fragment`` any other live, trusted learner that serves its state holds (a DHT
+        lookup, or the newest one if it is at most :data:`WATCH_REUSE_SECONDS` old; called from the round thread
+        every second while a round forms, so it leaves the training loop's cached records alone).
 
         A round's matchmaking is cancelled on it, so only a claim that can be checked counts: a learner that
         serves its state is downloaded from when it claims to be ahead (catch_up.py), and one that serves less
         than it claimed is distrusted. A client's or relayed learner's record is never downloaded from: a claim
         there would cancel every round and never be found out (docs/security.md, "Claims to be ahead")."""
-        return max((r.fragment_version(fragment) for p, r in self.board.read().items()
+        seen, at = self._latest
+        if time.monotonic() - at > WATCH_REUSE_SECONDS:
+            seen = self._read()
+        return max((r.fragment_version(fragment) for p, r in seen.items()
                     if p != self.state.peer_id and r.status != "left" and self._trusted(p)
                     and reduces_and_serves(r.reach)), default=0)
+
+    def _read(self) -> dict[str, ProgressRecord]:
+        """The swarm's records, looked up now (remembered for :meth:`newest_live_version`)."""
+        seen = self.board.read()
+        self._latest = (seen, time.monotonic())
+        return seen
 
     def start(self) -> None:
         """Start the heartbeat thread; call it once."""
@@ -170,7 +182,7 @@ class Progress:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.period):
             self.publish()
-            self._seen = seen = self.board.read()  # leaves `stale` to the training thread
+            self._seen = seen = self._read()  # leaves `stale` to the training thread
             self._remember(seen)
             live = self._live_others(seen)
             if self.client:

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from p2p_diloco.core.outer import is_sha256
 from p2p_diloco.net.reach import RECORD_VALUES
-from p2p_diloco.trust.signed_records import peer_id_of_owner
+from p2p_diloco.trust.signed_records import MAX_RECORD_SECONDS, peer_id_of_owner
 
 logger = get_logger(__name__)
 
@@ -250,14 +250,24 @@ class LineageIndex:
 
     def __init__(self, dht: DHT, run_id: str, ttl: float, owner: bytes = b""):
         self.dht, self.key, self.ttl, self._owner = dht, lineages_key(run_id), ttl, owner
+        self._stored: tuple[str, float] | None = None  # the lineage last stored, and when (monotonic)
 
     def publish(self, lineage: str) -> bool:
-        """Store our lineage for ``ttl`` seconds; best effort, like :meth:`ProgressBoard.publish`."""
+        """Store our lineage for twice ``ttl`` seconds, once per ``ttl`` (every progress record would store it
+        three times as often, each store a search of the key); best effort, like :meth:`ProgressBoard.publish`."""
+        now = time.monotonic()
+        if self._stored is not None and self._stored[0] == lineage and now - self._stored[1] < self.ttl:
+            return True
         try:
-            return bool(self.dht.store(self.key, lineage.encode(), get_dht_time() + self.ttl, subkey=self._owner))
+            stored = bool(self.dht.store(self.key, lineage.encode(),
+                                         get_dht_time() + min(2 * self.ttl, MAX_RECORD_SECONDS - 60),
+                                         subkey=self._owner))
         except Exception as e:  # noqa: BLE001 - best effort
             logger.warning(f"could not publish lineage index record: {e!r}")
             return False
+        if stored:
+            self._stored = (lineage, now)
+        return stored
 
     def read(self) -> dict[str, str]:
         """Live lineages by peer ID; malformed entries are dropped."""

@@ -123,3 +123,27 @@ def test_fresh_identities_do_not_raise_the_majority_quorum():
     assert progress.training_learners() == 3
     established[0] = None
     assert progress.training_learners() == 7
+
+
+def test_the_matchmaking_watch_reuses_a_read_younger_than_two_seconds(monkeypatch):
+    from p2p_diloco.learner import progress as progress_module
+
+    def rec(version):
+        return ProgressRecord(version, "a" * 64, 0, "training", versions=(version,), shas=("a" * 64,),
+                              reach="direct")
+    reads = []
+
+    def read():
+        reads.append(1)
+        return {"me": rec(3), "p1": rec(3 + len(reads))}
+    clock = [500.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    progress = Progress(SimpleNamespace(read=read), SimpleNamespace(peer_id="me"), record_ttl=30.0)
+    assert progress.newest_live_version() == 4 and len(reads) == 1
+    clock[0] += 1.0  # the watch's next poll: the read of a second ago answers it
+    assert progress.newest_live_version() == 4 and len(reads) == 1
+    clock[0] += 1.5
+    assert progress.newest_live_version() == 5 and len(reads) == 2
+    progress.records(fresh=True)  # any read counts (the heartbeat's too)
+    clock[0] += 1.0
+    assert progress.newest_live_version() == 6 and len(reads) == 3

@@ -97,3 +97,22 @@ def test_first_address_skips_what_a_record_cannot_carry():
         raise ValueError("No multiaddrs found for peer 12D3KooW...")  # what hivemind raises
 
     assert first_address(SimpleNamespace(get_visible_maddrs=none_visible)) == ""
+
+
+def test_the_lineage_index_is_stored_once_per_ttl_for_twice_as_long(monkeypatch):
+    from types import SimpleNamespace
+
+    from p2p_diloco.net import progress_records
+    from p2p_diloco.net.progress_records import LineageIndex
+
+    stores = []
+    dht = SimpleNamespace(store=lambda key, value, expiration, subkey: stores.append((value, expiration)) or True)
+    clock = [100.0]
+    monkeypatch.setattr(progress_records.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(progress_records, "get_dht_time", lambda: 1000.0)
+    index = LineageIndex(dht, "run", ttl=15.0, owner=b"[owner:me]")
+    for step in range(7):  # a heartbeat every ttl / 3, for 2 ttl + a bit
+        assert index.publish("run-abcd1234")
+        clock[0] += 5.0
+    assert [e for _, e in stores] == [1030.0] * 3  # at 0, 15 and 30 s: each living 30 s, never a gap
+    assert index.publish("run-other") and len(stores) == 4  # another lineage at once

@@ -40,14 +40,14 @@ class Progress:
                  resources: Callable[[], dict[str, Any]] = dict, audit: Audit | None = None,
                  metrics: Metrics | None = None, traffic: Callable[[], dict[str, dict[str, int]]] = dict,
                  pace: Pace | None = None, faults: FaultHooks = NO_FAULTS,
-                 established: Callable[[], frozenset[str] | None] = lambda: None):
+                 established: Callable[[], frozenset[str] | None] = lambda: None, floor: int = 1):
         """``client``: we average as a client (:mod:`p2p_diloco.net.reach`), so a group needs a reachable member;
         ``resources``: the record's resource fields (:func:`p2p_diloco.learner.metrics.resources`); ``audit``:
         where the joins and leaves the heartbeat sees go; ``metrics``: told how many other learners are
         visible, and ``traffic``'s DHT RPC counts; ``pace`` (``sync.pace = auto``): our proposed period goes
         out, the swarm's comes in; ``faults``: a test's plan (``lie ... with ahead`` forges our record);
-        ``established``: the peers that count toward the majority quorum (None: everyone;
-        :mod:`p2p_diloco.core.standing`)."""
+        ``established``: the peers that count toward the majority quorum by the standing our state carries (None:
+        everyone; :mod:`p2p_diloco.core.standing`); ``floor``: while fewer of them train, everyone counts (K)."""
         self.board, self.state, self.period = board, state, record_ttl / 3
         self.status: Status = "training"
         self.stale = False  # set after a failed round: the swarm may have moved on
@@ -63,7 +63,7 @@ class Progress:
         self.metrics, self.traffic = metrics, traffic
         self.swarm = SwarmWatch(gone_after=2 * record_ttl)
         self.pace = pace
-        self.established = established
+        self.established, self.floor = established, floor
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="progress-heartbeat")
 
@@ -101,14 +101,33 @@ class Progress:
         return self._seen
 
     def training_learners(self) -> int:
-        """How many learners are training, ourselves always included (a majority quorum's base: learners done
+        """How many learners are training, ourselves included (a majority quorum's base: learners done
         or gone join no round): those the records show training, remembered as :meth:`recently_training` says,
-        and established (:mod:`p2p_diloco.core.standing`): keys that announce themselves raise the quorum only
-        once rounds certified their contributions."""
+        and established (:meth:`counting`): keys that announce themselves raise the quorum only once rounds
+        certified their contributions."""
+        counted = self.counting(self.established())
+        me = self.state.peer_id
+        return (counted is None or me in counted) + sum(
+            peer != me and (counted is None or peer in counted) for peer in self.recently_training(trusted_only=False))
+
+    def counting(self, established: frozenset[str] | None) -> frozenset[str] | None:
+        """``established`` (the peers a standing establishes), or None (everyone counts) while fewer than
+        :attr:`floor` of them are training as the records show (ourselves included): once a swarm's established
+        learners have left, the learners training now count, rather than nobody (a swarm whose founders left
+        would never commit again)."""
+        if established is None:
+            return None
         self.records(fresh=False)  # looked up afresh if none was read yet or a round failed since (stale)
-        established = self.established()
-        return 1 + sum(peer != self.state.peer_id and (established is None or peer in established)
-                       for peer in self.recently_training(trusted_only=False))
+        live = established & {*self.recently_training(trusted_only=False), self.state.peer_id}
+        return established if len(live) >= self.floor else None
+
+    def established_training(self) -> int:
+        """How many established learners are training (0 while everyone counts): gathered to the group, whose
+        upper median decides whether its quorum check counts established members only."""
+        counted = self.counting(self.established())
+        if counted is None:
+            return 0
+        return len(counted & {*self.recently_training(trusted_only=False), self.state.peer_id})
 
     def recently_training(self, trusted_only: bool = True) -> dict[str, ProgressRecord]:
         """The learners (ours included) whose last record said training, seen by a read within the last

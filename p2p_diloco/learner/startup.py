@@ -90,6 +90,8 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
         keys["pace"] = cfg.sync.pace
     if cfg.averaging.quorum != "fixed":  # a rule every member of a group applies alike (the fixed quorum's
         keys["quorum"] = cfg.averaging.quorum  # lineages keep the ids they had before the setting)
+    if cfg.averaging.established_after != 4:  # weights ramp by it: a group must agree (lineages of the default
+        keys["established_after"] = cfg.averaging.established_after  # keep the ids they had)
     if cfg.outer.short_rounds != "full":  # a different outer step (lineages of full steps keep their ids)
         keys["short_rounds"] = cfg.outer.short_rounds
     if cfg.outer.long_rounds != "full":
@@ -326,7 +328,10 @@ def _rounds(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, aud
             averaging: HivemindAveraging, leaving: Leaving, faults: FaultHooks,
             after_merge: Callable[[], None]) -> tuple[CatchUp, Rounds]:
     """The round schedule and catch-up; ``after_merge`` runs after a commit or a state taken from peers."""
-    established = _established(cfg, local.state)
+    def established(fragment: int) -> frozenset[str] | None:  # whose signatures count (trust/certificates.py)
+        return progress.counting(local.state.established(cfg.averaging.established_after,
+                                                         cfg.averaging.min_group_size, fragment))
+
     board = CommitBoard(dht, lineage, local.key, cfg.averaging.min_group_size, timeout=cfg.averaging.certify_timeout,
                         round_quorum=averaging.round_quorum, established=established)
     verifier = Verifier(lineage, cfg.averaging.min_group_size, local.admission.allowed, averaging.round_quorum,
@@ -341,8 +346,8 @@ def _rounds(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _Local, aud
     return catch_up, rounds
 
 
-def _established(cfg: LearnerConfig, state: LearnerState) -> Callable[..., frozenset[str] | None]:
-    """Who is established (:mod:`p2p_diloco.core.standing`), by one fragment's standing or (no argument) any's."""
+def _established(cfg: LearnerConfig, state: LearnerState) -> Callable[[], frozenset[str] | None]:
+    """Who is established by every fragment's standing (:mod:`p2p_diloco.core.standing`): the quorum's base."""
     return functools.partial(state.established, cfg.averaging.established_after, cfg.averaging.min_group_size)
 
 
@@ -369,7 +374,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _L
     averaging = HivemindAveraging(
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=averaging_prefix(lineage),
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
-        training_learners=progress.training_learners,
+        training_learners=progress.training_learners, established_training=progress.established_training,
         fragments=parameter_indices([len(s.params) for s in state.states]),
         codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults, client_mode=client,
         step_tokens=cfg.inner.batch_size * cfg.model.seq_len * local.trainer.workers,
@@ -426,7 +431,7 @@ def _join(cfg: LearnerConfig, dht: LinkedDHT, reach: Reach, local: _Local, fault
         state, ttl, client=reach.client,
         resources=lambda: resources(local.trainer, state.counters, began, metrics, reach.record_value, address),
         audit=audit, metrics=metrics, traffic=functools.partial(read_traffic, dht), pace=_pace(cfg), faults=faults,
-        established=_established(cfg, state),
+        established=_established(cfg, state), floor=cfg.averaging.min_group_size,
     )
     # Announce ourselves at once, before the download, so that learners finishing the run see a
     # newcomer behind them and keep serving state until it has caught up.

@@ -163,14 +163,17 @@ class LearnerState:
         return state
 
     def established(self, after: int, floor: int, fragment: int | None = None) -> frozenset[str] | None:
-        """The established peers by one fragment's standing, or by any fragment's (``fragment`` None): see
-        :func:`p2p_diloco.core.standing.established`; None while everyone counts. A fragment we do not have
-        (a peer's certificate may name any): nobody."""
+        """The established peers by one fragment's standing, or by every fragment's (``fragment`` None: the
+        quorum's base, which each fragment's group check must be able to meet): see
+        :func:`p2p_diloco.core.standing.established`; None while everyone counts (in any fragment, for None).
+        A fragment we do not have (a peer's certificate may name any): nobody."""
         if fragment is not None and not 0 <= fragment < len(self.states):
             return frozenset()
         chosen = self.states if fragment is None else [self.states[fragment]]
-        found = [e for s in chosen if (e := standings.established(s.standing, after, floor)) is not None]
-        return frozenset().union(*found) if found else None
+        found = [standings.established(s.standing, after, floor) for s in chosen]
+        if not found or any(e is None for e in found):
+            return None
+        return frozenset.intersection(*[e for e in found if e is not None])
 
     def whole_sha256(self) -> str:
         """One hash of every fragment's global state: equal on learners holding the same model."""

@@ -238,7 +238,12 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         The group's quorum is K, or, when members gathered a majority quorum of the swarm they see, the
         median of those claims (every member computes the same from the same gathered data; a minority of
         members claiming a huge or a tiny swarm moves it no further than the honest claims around it)."""
-        established = standings.established(self._standing, self._established_after, self._base_quorum)
+        # Established members only, unless the group's upper median says fewer than K established learners train
+        # (then everyone counts, as each member's quorum claim did).
+        live = group_quorum(({"quorum": m.get("established")} if isinstance(m, dict) else m
+                             for m in gathered.values()), 0)
+        established = (standings.established(self._standing, self._established_after, self._base_quorum)
+                       if live >= self._base_quorum else None)
         left = standings.counted((str(p) for p in group_info.peer_ids if str(p) not in verdict.excluded), established)
         quorum = group_quorum(gathered.values(), self._base_quorum)
         if left < quorum:

@@ -105,6 +105,8 @@ class HivemindAveraging:
     newest_version: Callable[[int], int] | None = None
     # With ``cfg.quorum == "majority"``: how many learners the swarm's records show training (us included).
     training_learners: Callable[[], int] | None = None
+    # How many established learners are training (0: everyone counts; p2p_diloco/core/standing.py), gathered
+    established_training: Callable[[], int] | None = None
     fragments: Sequence[Sequence[int]] | None = None
     codecs: Sequence[str] | None = None
     poll_seconds: float = 1.0
@@ -280,6 +282,8 @@ class HivemindAveraging:
             metadata = {**metadata, "step_tokens": int(self.step_tokens)}
         if self.cfg.quorum == "majority":
             metadata = {**metadata, "quorum": self._quorum}
+        if self.established_training is not None:
+            metadata = {**metadata, "established": int(self.established_training())}
         gathered = {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
                     "bans": self._bans.listed(), "reduces": not self.client_mode}
         key = getattr(self.dht, "signing", None)  # with signed records, the metadata is signed too

@@ -82,8 +82,11 @@ class CommitBoard:
         mine = Signature.make(self.key, commit)
         cert = Certificate(commit, (mine,))
         quorum = needed_signers(self.quorum, self.round_quorum)  # what a verifier will ask for (Verifier.needed)
-        # A merge of lineages names no contributors: it waits for a quorum like a round of K.
-        everyone = max(len(commit.contributors), quorum, 1)
+        established = self.established(commit.fragment) if self.established is not None else None
+        # A merge of lineages names no contributors: it waits for a quorum like a round of K. Signers that do not
+        # count (not established) are not waited for.
+        counting = [p for p in commit.contributors if established is None or p in established]
+        everyone = max(len(counting), quorum, 1)
         if everyone <= 1:
             return cert  # a round of one: our own signature is the whole certificate
         key = commit_key(self.lineage, commit.fragment, commit.version)
@@ -96,7 +99,6 @@ class CommitBoard:
         value = msgpack.packb({"commit": commit.to_dict(), "signature": mine.to_list()}, use_bin_type=True)
         if not self.dht.store(key, value, get_dht_time() + _RECORD_SECONDS, subkey=self.dht.owner):
             logger.debug(f"could not store our signature of {key} (continuing: peers may still read it)")
-        established = self.established(commit.fragment) if self.established is not None else None
         while True:
             cert = cert.merged_with(self._read(key, commit))
             signers = len(cert.signers(established=established))

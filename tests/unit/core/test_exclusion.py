@@ -535,11 +535,12 @@ def test_without_a_swarm_wide_bound_the_lower_median_of_the_members_steps_bounds
 def test_the_learner_gathers_its_own_step_size():
     cfg = load_learner_config(None, [])
     averaging = SimpleNamespace(cfg=cfg.averaging, step_tokens=16 * 128, _bans=None, _rules=lambda: PER_MEMBER,
-                                dht=SimpleNamespace(), _quorum=2, client_mode=False)
+                                dht=SimpleNamespace(), _quorum=2, client_mode=False, established_training=lambda: 3)
     averaging._bans = SimpleNamespace(listed=lambda: [])
     meta = HivemindAveraging._gathered(averaging, [torch.ones(3)], 2.0, {"tokens": 5}, 0)  # type: ignore[arg-type]
     assert meta["step_tokens"] == 16 * 128 and meta["weight"] == 2.0
     assert meta["quorum"] == 2  # a majority quorum (the default) gathers its count
+    assert meta["established"] == 3  # and how many established learners it sees training (core/standing.py)
     assert meta["reduces"] is True  # not a client: it reduces a share (averager_process.reducer_shares)
     assert len(meta["direction"]) == directions.DIM  # the direction check is on by default
 

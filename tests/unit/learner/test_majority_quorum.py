@@ -147,3 +147,42 @@ def test_the_matchmaking_watch_reuses_a_read_younger_than_two_seconds(monkeypatc
     progress.records(fresh=True)  # any read counts (the heartbeat's too)
     clock[0] += 1.0
     assert progress.newest_live_version() == 6 and len(reads) == 3
+
+
+def test_once_the_established_learners_left_the_learners_training_count():
+    """Founders a and b are established; b has left and c and d joined: with fewer than K = 2 established learners
+    training, counting established ones only would never let a round commit (nor credit c and d): everyone
+    counts, and the group's check says so (the gathered count, 0)."""
+    def rec(status):
+        return ProgressRecord(9, "a" * 64, 0, status, versions=(9,), shas=("a" * 64,))
+    reads = [{"a": rec("training"), "b": rec("left"), "c": rec("training"), "d": rec("training")}]
+    progress = Progress(SimpleNamespace(read=lambda: reads[-1]), SimpleNamespace(peer_id="c"), record_ttl=30.0,
+                        established=lambda: frozenset({"a", "b"}), floor=2)
+    assert progress.counting(frozenset({"a", "b"})) is None
+    assert progress.training_learners() == 3 and progress.established_training() == 0
+    reads.append({"a": rec("training"), "b": rec("training"), "c": rec("training"), "d": rec("training")})
+    progress.records(fresh=True)  # b is back: 2 established learners train, the others do not count
+    assert progress.counting(frozenset({"a", "b"})) == {"a", "b"}
+    assert progress.training_learners() == 2 and progress.established_training() == 2
+
+
+def test_a_learners_quorum_counts_peers_established_in_every_fragment():
+    import torch
+
+    from p2p_diloco.core.fragments import Fragment
+    from p2p_diloco.core.outer import GlobalState
+    from p2p_diloco.learner.state import LearnerState
+
+    states = [GlobalState.from_module(torch.nn.Linear(2, 2)) for _ in range(2)]
+    states[0].standing, states[1].standing = {"a": 4, "b": 4, "n": 4}, {"a": 4, "b": 4, "n": 3}
+    state = LearnerState([Fragment(0, (0,), 6, 0, False), Fragment(1, (1,), 6, 0, False)], states, [])
+    assert state.established(4, 2) == {"a", "b"}  # n is not yet established in fragment 1
+    assert state.established(4, 2, 0) == {"a", "b", "n"} and state.established(4, 2, 7) == frozenset()
+    states[1].standing = {"a": 4}
+    assert state.established(4, 2) is None  # fragment 1 is still at its founding
+
+
+def test_the_established_rule_is_part_of_the_lineage():
+    base = load_learner_config(None)
+    other = load_learner_config(None, overrides=["averaging.established_after=0"])
+    assert lineage_id(base) != lineage_id(other)

@@ -17,9 +17,11 @@ def test_a_group_needs_the_quorum_in_established_contributions():
     averager._standing = {"h1": 5, "h2": 5, "h3": 5}
     members = ["h1", "h2", "s1", "s2", "s3", "s4"]
     group = SimpleNamespace(peer_ids=members, group_id=b"g")
-    gathered = {p: {"quorum": 3} for p in members}
+    gathered = {p: {"quorum": 3, "established": 3} for p in members}  # 3 established learners train
     with pytest.raises(AllreduceException, match="2 established contribution"):
         averager._check_quorum(Verdict(), group, gathered)
     averager._check_quorum(Verdict(), SimpleNamespace(peer_ids=[*members, "h3"], group_id=b"g"), gathered)
+    # Fewer than K established learners train (the group's upper median of the claims): everyone counts.
+    averager._check_quorum(Verdict(), group, {p: {"quorum": 3, "established": 1} for p in members})
     averager._standing = {}  # the founding: everyone counts
     averager._check_quorum(Verdict(), group, gathered)

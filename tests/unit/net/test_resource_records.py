@@ -111,7 +111,7 @@ def test_the_lineage_index_is_stored_once_per_ttl_for_twice_as_long(monkeypatch)
     monkeypatch.setattr(progress_records.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(progress_records, "get_dht_time", lambda: 1000.0)
     index = LineageIndex(dht, "run", ttl=15.0, owner=b"[owner:me]")
-    for step in range(7):  # a heartbeat every ttl / 3, for 2 ttl + a bit
+    for _ in range(7):  # a heartbeat every ttl / 3, for 2 ttl + a bit
         assert index.publish("run-abcd1234")
         clock[0] += 5.0
     assert [e for _, e in stores] == [1030.0] * 3  # at 0, 15 and 30 s: each living 30 s, never a gap

@@ -90,7 +90,7 @@ def lineage_id(cfg: LearnerConfig, model_files: dict[str, str] | None = None, to
         keys["pace"] = cfg.sync.pace
     if cfg.averaging.quorum != "fixed":  # a rule every member of a group applies alike (the fixed quorum's
         keys["quorum"] = cfg.averaging.quorum  # lineages keep the ids they had before the setting)
-    if cfg.averaging.established_after != 4:  # weights ramp by it: a group must agree (lineages of the default
+    if cfg.averaging.established_after:  # weights ramp by it: a group must agree (lineages without the rule
         keys["established_after"] = cfg.averaging.established_after  # keep the ids they had)
     if cfg.outer.short_rounds != "full":  # a different outer step (lineages of full steps keep their ids)
         keys["short_rounds"] = cfg.outer.short_rounds

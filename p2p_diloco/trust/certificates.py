@@ -124,15 +124,17 @@ class Certificate:
 
     def signers(self, admitted: frozenset[str] | None = None, established: frozenset[str] | None = None) -> set[str]:
         """Distinct peers whose signatures verify, who may sign this commit (its contributors; anyone for a
-        merge), who are ``admitted`` (None: everyone) and ``established`` (None: everyone;
-        :mod:`p2p_diloco.core.standing`)."""
+        merge), who are ``admitted`` (None: everyone) and, for a round's commit, ``established`` (None: everyone;
+        :mod:`p2p_diloco.core.standing`). A merge's signers are any admitted peers: after a partition each side has
+        credited only its own members, so neither would take the other's merge (a fork that never healed, in the
+        Compose test's partition)."""
         out = set()
         for s in self.signatures[:MAX_SIGNATURES]:
             peer = s.signer(self.commit)
             if peer is None or (admitted is not None and peer not in admitted):
                 continue
-            if established is not None and peer not in established:
-                continue
+            if established is not None and self.commit.contributors and peer not in established:
+                continue  # a merge's signers are not filtered: the two sides of a healed partition must meet
             if self.commit.contributors and peer not in self.commit.contributors:
                 continue
             out.add(peer)

@@ -184,5 +184,5 @@ def test_a_learners_quorum_counts_peers_established_in_every_fragment():
 
 def test_the_established_rule_is_part_of_the_lineage():
     base = load_learner_config(None)
-    other = load_learner_config(None, overrides=["averaging.established_after=0"])
+    other = load_learner_config(None, overrides=["averaging.established_after=4"])
     assert lineage_id(base) != lineage_id(other)

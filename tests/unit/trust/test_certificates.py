@@ -313,3 +313,16 @@ def test_four_fresh_identities_cannot_certify_a_state_of_their_choosing(swarm_of
     board = CommitBoard(_Dht(shared, b"me"), "run-lin", sybils[0][1], quorum=2, timeout=0.3, poll=0.01,
                         established=established)
     assert "0 of the quorum 2 established signatures" in board.certify(chosen)
+
+
+def test_a_merges_signers_are_not_filtered_by_standing(swarm_of_seven):
+    """After a partition each side credited only its own members: a merge certificate counts any admitted signer,
+    or the two sides would never take each other's merge (the Compose test's fork)."""
+    from p2p_diloco.core import standing as standings
+
+    other_side = swarm_of_seven[3:5]
+    merge = Commit("run-lin", 0, 9, SHA, "", ())
+    cert = [Certificate(merge, tuple(Signature.make(k, merge) for _, k in other_side)).to_dict()]
+    ours = {p: 6 for p, _ in swarm_of_seven[:3]}
+    verifier = Verifier("run-lin", 2, established=lambda f: standings.established(ours, after=4, floor=2))
+    assert verifier.check(0, 9, SHA, cert) == ""

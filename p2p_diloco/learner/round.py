@@ -176,9 +176,12 @@ class OuterRound:
             steps = [(self._weight(result.verdict, p, mates), count(m.get("steps"))) for p, m in sorted(mates.items())]
             work = round_work(steps, self.steps_per_outer)
             span = round_span((s for _, s in steps), self.steps_per_outer)
+        # Their standing (p2p_diloco/core/standing.py) is part of the new state's hash: credited before the step,
+        # which remembers that hash in the state's history (a history entry without the credit made descendants
+        # look like siblings: spurious split-brain merges).
+        self.state.credit(contributors)
         self.optimizer.apply(self.state, averaged, tokens=group_tokens, work=work, span=span)
         self.state.record_contributors(self.state.version, contributors)
-        self.state.credit(contributors)  # their standing (p2p_diloco/core/standing.py), in the new state's hash
         new_sha = self.state.sha256()
         certifying = time.perf_counter()
         if self.certifier is not None:

@@ -82,3 +82,25 @@ def test_a_merge_of_lineages_keeps_each_peers_larger_standing():
     b.credit(["y", "z"])
     assert merge_lineages(a, b).standing == merge_lineages(b, a).standing == {"x": 1, "y": 2, "z": 1}
 
+
+
+def test_a_committed_round_remembers_the_hash_it_ends_with():
+    """The history must hold the state's final hash (standing credited): a descendant's history is how a learner
+    tells it from a sibling lineage."""
+    from p2p_diloco.learner.round import OuterRound
+
+    class Pair:
+        def average(self, deltas, weight, metadata, version, fragment=0, grace=None, search_seconds=None,
+                    standing=None):
+            from p2p_diloco.core.averaging_api import AverageResult
+            from p2p_diloco.core.exclusion import Verdict
+
+            mates = {"me": dict(metadata), "other": dict(metadata)}
+            return AverageResult([d.clone() for d in deltas], mates, 0.0, 0, verdict=Verdict())
+
+    state = GlobalState.from_module(torch.nn.Linear(2, 2))
+    rnd = OuterRound(state=state, optimizer=OuterOptimizer(OuterConfig()), averaging=Pair(),
+                     local_params=[p - 0.1 for p in state.params], tokens=64, inner_steps=2)
+    out = rnd.run()
+    assert out.committed, out.reason
+    assert state.standing == {"me": 1, "other": 1} and state.history[-1] == (1, state.sha256())

@@ -105,10 +105,8 @@ class Progress:
         or gone join no round): those the records show training, remembered as :meth:`recently_training` says,
         and established (:meth:`counting`): keys that announce themselves raise the quorum only once rounds
         certified their contributions."""
-        counted = self.counting(self.established())
-        me = self.state.peer_id
-        return (counted is None or me in counted) + sum(
-            peer != me and (counted is None or peer in counted) for peer in self.recently_training(trusted_only=False))
+        counted, training = self.counting(self.established()), self._training_now()
+        return len(training if counted is None else training & counted)
 
     def counting(self, established: frozenset[str] | None) -> frozenset[str] | None:
         """``established`` (the peers a standing establishes), or None (everyone counts) while fewer than
@@ -117,17 +115,18 @@ class Progress:
         would never commit again)."""
         if established is None:
             return None
-        self.records(fresh=False)  # looked up afresh if none was read yet or a round failed since (stale)
-        live = established & {*self.recently_training(trusted_only=False), self.state.peer_id}
-        return established if len(live) >= self.floor else None
+        return established if len(established & self._training_now()) >= self.floor else None
 
     def established_training(self) -> int:
         """How many established learners are training (0 while everyone counts): gathered to the group, whose
         upper median decides whether its quorum check counts established members only."""
         counted = self.counting(self.established())
-        if counted is None:
-            return 0
-        return len(counted & {*self.recently_training(trusted_only=False), self.state.peer_id})
+        return 0 if counted is None else len(counted & self._training_now())
+
+    def _training_now(self) -> set[str]:
+        """The peers training as the records show (:meth:`recently_training`, distrusted ones too), and us."""
+        self.records(fresh=False)  # looked up afresh if none was read yet or a round failed since (stale)
+        return {*self.recently_training(trusted_only=False), self.state.peer_id}
 
     def recently_training(self, trusted_only: bool = True) -> dict[str, ProgressRecord]:
         """The learners (ours included) whose last record said training, seen by a read within the last

@@ -240,8 +240,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         members claiming a huge or a tiny swarm moves it no further than the honest claims around it)."""
         # Established members only, unless the group's upper median says fewer than K established learners train
         # (then everyone counts, as each member's quorum claim did).
-        live = group_quorum(({"quorum": m.get("established")} if isinstance(m, dict) else m
-                             for m in gathered.values()), 0)
+        live = group_quorum(gathered.values(), 0, claim="established")
         established = (standings.established(self._standing, self._established_after, self._base_quorum)
                        if live >= self._base_quorum else None)
         left = standings.counted((str(p) for p in group_info.peer_ids if str(p) not in verdict.excluded), established)
@@ -430,8 +429,9 @@ POLLS_PER_WINDOW = 8  # reads of the group key per matchmaking time, at most (tr
 MAX_QUORUM = 1_000_000  # a claimed quorum above this is malformed
 
 
-def group_quorum(gathered: Iterable[Any], base: int) -> int:
-    """The quorum a group applies: the upper median of what its members gathered as theirs, at least ``base`` (K).
+def group_quorum(gathered: Iterable[Any], base: int, claim: str = "quorum") -> int:
+    """The quorum a group applies: the upper median of what its members gathered as theirs (under ``claim``; also
+    the count of established learners training, "established"), at least ``base`` (K).
 
     A member that gathered no valid ``quorum`` (an int in [1, MAX_QUORUM]) counts as claiming K: under a fixed
     quorum nobody claims one, and one member's claim cannot fail the rounds it joins; under a majority quorum a
@@ -443,9 +443,9 @@ def group_quorum(gathered: Iterable[Any], base: int) -> int:
     """
     claims: list[int] = []
     for meta in gathered:
-        claim = meta.get("quorum") if isinstance(meta, dict) else None
-        if isinstance(claim, int) and not isinstance(claim, bool) and 1 <= claim <= MAX_QUORUM:
-            claims.append(claim)
+        value = meta.get(claim) if isinstance(meta, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_QUORUM:
+            claims.append(value)
         else:
             claims.append(base)
     if not claims:

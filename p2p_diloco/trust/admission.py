@@ -22,7 +22,10 @@ operator can print every peer ID with ``p2p-diloco peer-id`` and write the list 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,7 +182,17 @@ def peer_id_of(identity_path: str | Path, create: bool = True) -> str:
         if not create:
             raise ConfigError(f"identity file {p} does not exist")
         p.parent.mkdir(parents=True, exist_ok=True)
-        P2P.generate_identity(str(p))
+        # Made aside and linked into place, which fails if the file appeared meanwhile: two processes that
+        # make the same peer's key at once (a learner starting, `p2p-diloco peer-id` beside it) end up with
+        # the one key, never each with its own while p2pd reads a third.
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+        os.close(fd)
+        try:
+            P2P.generate_identity(tmp)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, p)
+        finally:
+            os.unlink(tmp)
     try:
         return PeerID.from_identity(p.read_bytes()).to_base58()
     except Exception as e:  # noqa: BLE001 - protobuf and cryptography raise many types for a bad key file

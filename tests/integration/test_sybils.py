@@ -27,7 +27,6 @@ SETTINGS = ["--set", "averaging.established_after=2", "--set", "run.linger_secon
 def test_fresh_identities_from_one_address_do_not_stall_the_swarm(swarm):
     swarm.start_bootstrap()
     honest = [swarm.start_learner(i, max_outer_steps=TARGET, extra=SETTINGS) for i in range(3)]
-    honest_ids = {peer_id_of(swarm.tmp / f"ckpt-{i}" / "identity.key") for i in range(3)}
     # Started with the learners (its start takes as long as theirs); it announces the keys from version 3 on,
     # once each honest learner holds 2 certified rounds or is about to.
     sybils = Proc("sybils", [sys.executable, "-m", "p2p_diloco.sim.sybils", "--initial-peers",
@@ -37,6 +36,7 @@ def test_fresh_identities_from_one_address_do_not_stall_the_swarm(swarm):
     for p in honest:
         assert p.wait(240) == 0, p.text()
     _assert_one_lineage(swarm, range(3), TARGET)
+    honest_ids = {peer_id_of(swarm.tmp / f"ckpt-{i}" / "identity.key", create=False) for i in range(3)}
     # The honest learners saw the four keys as learners (their records), and committed past them.
     seen = {e["peer"] for p in honest for e in audit_events(p, "peer_joined")} - honest_ids
     assert len(seen) >= 4, sybils.text()

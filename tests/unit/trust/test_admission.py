@@ -38,6 +38,22 @@ def test_peer_id_of_makes_a_key_once_and_reads_it_back(tmp_path):
         peer_id_of(tmp_path / "junk.key")
 
 
+def test_a_key_made_meanwhile_by_another_process_is_kept_not_overwritten(tmp_path, monkeypatch):
+    key = tmp_path / "identity.key"
+    theirs = tmp_path / "theirs.key"
+    P2P.generate_identity(str(theirs))
+    generate = P2P.generate_identity
+
+    def race(path):  # the other process (a learner starting) writes the key while we make ours
+        key.write_bytes(theirs.read_bytes())
+        generate(path)
+
+    monkeypatch.setattr(P2P, "generate_identity", staticmethod(race))
+    assert peer_id_of(key) == PeerID.from_identity(theirs.read_bytes()).to_base58()
+    assert key.read_bytes() == theirs.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.key", "theirs.key"]  # no temporary left
+
+
 @pytest.mark.parametrize("text, why", [
     ("0OIl", "not base58"),  # letters base58 leaves out
     ("abc", "not a libp2p peer ID"),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 import time
 from collections.abc import Sequence
@@ -46,6 +47,11 @@ RECORD_VALUES = ("direct", "relay", "client")  # the ``reach`` field of progress
 _MAX_ADDRS = 8  # addresses a question may name
 _MAX_ADDR_BYTES = 256
 _COOLDOWN = 10.0  # seconds before the same peer may ask again
+# Dials per asking host: a burst of HOST_BURST (a machine starting that many learners at once), then one per
+# HOST_REFILL seconds. Fresh peer IDs cost nothing, so the per-peer cooldown alone let one address have this
+# peer start a daemon after another for as long as it liked.
+HOST_BURST, HOST_REFILL = 16, 5.0
+_MAX_WAITING = 8  # checks waiting for the one dial under way; more are refused
 # A daemon that only dials: no listening, no relay, no NAT tricks (as Petals' reachability probe).
 _PROBE_ARGS: dict[str, Any] = dict(dht_mode="client", use_relay=False, auto_nat=False, nat_port_map=False,
                                    no_listen=True, startup_timeout=30)
@@ -129,12 +135,45 @@ def dialable(requested: Sequence[bytes], observed_hosts: set[str]) -> list[Multi
     return out
 
 
-class DialBack:
-    """Answers :data:`CHECK`: dials the asking peer back with a fresh daemon (one question at a time)."""
+class HostBudget:
+    """Token buckets of dials per host: ``burst`` at once, then one per ``refill`` seconds (a full bucket is
+    forgotten, so the table holds only hosts that asked lately)."""
 
-    def __init__(self, p2p: P2P, timeout: float = 5.0):
+    def __init__(self, burst: int = HOST_BURST, refill: float = HOST_REFILL):
+        self.burst, self.refill = burst, refill
+        self._tokens: dict[str, tuple[float, float]] = {}  # host -> (tokens, when counted)
+
+    def take(self, host: str, now: float) -> bool:
+        """Whether ``host`` may have one more dial at ``now`` (and count it if so)."""
+        self._tokens = {h: (t, w) for h, (t, w) in self._tokens.items()
+                        if t + (now - w) / self.refill < self.burst}
+        tokens, when = self._tokens.get(host, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - when) / self.refill)
+        if tokens < 1.0:
+            self._tokens[host] = (tokens, now)
+            return False
+        self._tokens[host] = (tokens - 1.0, now)
+        return True
+
+
+def _prefix(host: str) -> str:
+    """The unit a budget counts: an IPv4 address or hostname, an IPv6 address's /64 (one subscriber's)."""
+    if ":" not in host:
+        return host
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.IPv6Network(f"{host}/64", strict=False))
+    return host
+
+
+class DialBack:
+    """Answers :data:`CHECK`: dials the asking peer back with a fresh daemon (one question at a time, within
+    a budget per asking host)."""
+
+    def __init__(self, p2p: P2P, timeout: float = 5.0, budget: HostBudget | None = None):
         self.p2p, self.timeout = p2p, timeout
+        self.budget = budget or HostBudget()
         self._lock = asyncio.Lock()
+        self._waiting = 0
         self._asked: dict[PeerID, float] = {}
 
     async def rpc_check(self, request: p2pd_pb2.PeerInfo, context: P2PContext) -> dht_pb2.PingResponse:
@@ -151,8 +190,17 @@ class DialBack:
         if not targets:
             logger.debug(f"reachability check for {peer}: no announced address on its host {sorted(observed)}")
             return dht_pb2.PingResponse(available=False)
-        async with self._lock:
-            return dht_pb2.PingResponse(available=await self._dial(peer, targets))
+        hosts = {_prefix(h) for t in targets if (h := _host(t)) is not None}
+        if self._waiting >= _MAX_WAITING or not all(self.budget.take(h, now) for h in sorted(hosts)):
+            logger.info(f"reachability check for {peer}: refused, too many checks from {sorted(hosts)} "
+                        f"or waiting ({self._waiting})")
+            raise PermissionError("too many reachability checks; ask again later")
+        self._waiting += 1
+        try:
+            async with self._lock:
+                return dht_pb2.PingResponse(available=await self._dial(peer, targets))
+        finally:
+            self._waiting -= 1
 
     async def _dial(self, peer: PeerID, targets: list[Multiaddr]) -> bool:
         probe = None

@@ -10,7 +10,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import ConfigError, load_learner_config
 from p2p_diloco.net import reach
-from p2p_diloco.net.reach import CLIENT, DIRECT, RELAY, DialBack, decide, dialable, peer_ids_of
+from p2p_diloco.net.reach import CLIENT, DIRECT, RELAY, DialBack, HostBudget, decide, dialable, peer_ids_of
 
 ASKER = PeerID.from_base58("12D3KooWF4QNTnj8mBC111DmtLhfewNmDd4bepoEjEcQaVn8dFRJ")
 
@@ -87,6 +87,43 @@ def test_dial_back_dials_the_askers_host_and_refuses_a_repeat(monkeypatch):
 
     assert asyncio.run(go()).available is True
     assert dialled == [(ASKER, [Multiaddr("/ip4/127.0.0.1/tcp/41000")])]
+
+
+def test_a_host_budget_allows_a_burst_then_one_dial_per_refill():
+    budget = HostBudget(burst=3, refill=5.0)
+    assert [budget.take("10.0.0.1", 0.0) for _ in range(4)] == [True, True, True, False]
+    assert budget.take("10.0.0.2", 0.0)  # another host has its own bucket
+    assert not budget.take("10.0.0.1", 4.0) and budget.take("10.0.0.1", 5.5)
+    assert budget.take("10.0.0.1", 1000.0) and budget.take("10.0.0.1", 1000.0)
+
+
+def test_fresh_peer_ids_from_one_host_get_only_the_hosts_budget_of_dials(monkeypatch):
+    dialled = []
+
+    async def fake_dial(self, peer, targets):
+        dialled.append(peer)
+        return True
+
+    class AnyPeer:  # every asker's connection comes from the same host
+        async def list_peers(self):
+            return [PeerInfo(p, [Multiaddr("/ip4/10.9.0.7/tcp/5555")]) for p in askers]
+
+    askers = [PeerID(b"\x12\x20" + bytes([i]) * 32) for i in range(6)]
+    monkeypatch.setattr(DialBack, "_dial", fake_dial)
+    service = DialBack(AnyPeer(), budget=HostBudget(burst=4, refill=60.0))
+    request = p2pd_pb2.PeerInfo(addrs=[Multiaddr("/ip4/10.9.0.7/tcp/41000").to_bytes()])
+
+    async def go():
+        answers = []
+        for peer in askers:
+            try:
+                answers.append((await service.rpc_check(request, type("C", (), {"remote_id": peer})())).available)
+            except PermissionError:
+                answers.append(None)
+        return answers
+
+    assert asyncio.run(go()) == [True] * 4 + [None, None]  # refused: no verdict, not a "no"
+    assert dialled == askers[:4]
 
 
 def test_dial_back_says_no_without_dialling_when_the_address_is_not_the_askers(monkeypatch):

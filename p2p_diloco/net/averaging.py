@@ -366,7 +366,7 @@ class HivemindAveraging:
         if found is None:
             return 0
         ours, now, count = self.dht.peer_id, get_dht_time(), 0
-        for peer, entry in declared(found.value, getattr(self.dht, "owner", b"")):
+        for peer, entry in declared(found.value, getattr(self.dht, "owner", b""), getattr(self.dht, "admission", None)):
             looking = getattr(entry, "value", None)
             expiration = getattr(entry, "expiration_time", 0.0)
             if peer != ours and looking is True and isinstance(expiration, int | float) and expiration > now:

@@ -120,7 +120,8 @@ class StateDownloads:
         try:
             found = self.dht.get(download_key(self._matchmaking.group_key_manager.prefix), latest=True)
             priority = {}
-            for peer, info in declared(found.value if found is not None else None, self._owner):
+            for peer, info in declared(found.value if found is not None else None, self._owner,
+                                       getattr(self.dht, "admission", None)):
                 value = getattr(info, "value", None)
                 if isinstance(value, float | int) and not isinstance(value, bool):
                     priority[peer] = (float(value), random.random())

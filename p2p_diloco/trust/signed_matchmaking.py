@@ -31,6 +31,7 @@ from hivemind.averaging.key_manager import GroupKey, GroupKeyManager, is_valid_g
 from hivemind.p2p import PeerID
 from hivemind.utils import DHTExpiration, get_logger
 
+from p2p_diloco.trust.admission import Admission
 from p2p_diloco.trust.signed_records import peer_id_of_owner
 
 logger = get_logger(__name__)
@@ -41,12 +42,20 @@ def download_key(prefix: str) -> str:
     return f"{prefix}.all_averagers"
 
 
-def declared(entries: object, owner: bytes) -> Iterator[tuple[PeerID, Any]]:
-    """(peer ID, entry) for each declaration in a DHT dictionary value whose subkey the peer signed.
+def declared(entries: object, owner: bytes, members: Admission | None = None) -> Iterator[tuple[PeerID, Any]]:
+    """(peer ID, entry) for each declaration in a DHT dictionary value whose subkey the peer signed, and whose
+    peer ``members`` lists (a private swarm's allow-list: any key can sign a valid DHT record, so a member
+    could otherwise declare under fresh keys, filling a group key with peers nobody admits or pointing
+    downloads at them).
 
     ``owner`` empty: hivemind's own subkeys (raw peer IDs). Anything malformed is skipped.
     """
     if not isinstance(entries, Mapping):
+        return
+    if members is not None and members.private:
+        for peer, entry in declared(entries, owner):
+            if members.lists(peer.to_base58()):
+                yield peer, entry
         return
     for subkey, entry in entries.items():
         if owner:
@@ -89,7 +98,7 @@ class SignedGroupKeyManager(GroupKeyManager):
         if result is None:
             return []
         found = []
-        for peer, entry in declared(result.value, self.owner):
+        for peer, entry in declared(result.value, self.owner, getattr(self.dht, "admission", None)):
             looking, expiration = getattr(entry, "value", None), getattr(entry, "expiration_time", None)
             if not isinstance(looking, bool) or not isinstance(expiration, float | int):
                 continue

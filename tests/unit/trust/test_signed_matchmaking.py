@@ -40,3 +40,21 @@ def test_the_first_read_does_not_wait():
     # A wait of the poll interval before the first read would time out here.
     asyncio.run(asyncio.wait_for(manager.get_averagers("run.0b", only_active=True), timeout=10))
     assert len(dht.reads) == 1
+
+
+def test_a_private_swarm_reads_declarations_of_its_members_only():
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.trust.admission import Admission
+    from p2p_diloco.trust.signed_matchmaking import declared
+    from p2p_diloco.trust.signed_records import peer_id_of_owner
+
+    markers = [RSASignatureValidator(RSAPrivateKey()).local_public_key for _ in range(3)]
+    peers = [peer_id_of_owner(m) for m in markers]
+    entries = {m: SimpleNamespace(value=True, expiration_time=1.0) for m in markers}
+    member = peers[0]  # the others: fresh keys a member signed declarations with
+    private = Admission(frozenset({member.to_base58()}), "test list")
+    assert [p for p, _ in declared(entries, b"[owner:me]", private)] == [member]
+    assert [p for p, _ in declared(entries, b"[owner:me]", Admission())] == peers  # a public swarm reads all
+    assert [p for p, _ in declared(entries, b"[owner:me]")] == peers

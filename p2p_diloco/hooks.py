@@ -51,6 +51,18 @@ class FaultHooks:
         """The averaged shard this learner returns as a reducer in ``round_`` (``lie ... with shard``)."""
         return averaged
 
+    def withholds_sketch(self, round_: int) -> bool:
+        """Whether this learner keeps its reducer sketch of ``round_`` to itself (``lie ... with sketch``)."""
+        return False
+
+    def signed_sha(self, sha: str, round_: int) -> str:
+        """The hash of the new state this learner signs in ``round_``'s commit (``lie ... with hash``)."""
+        return sha
+
+    def gathered_quorum(self, quorum: int, round_: int) -> int:
+        """The majority quorum this learner gathers in ``round_`` (``lie ... with quorum``)."""
+        return quorum
+
     def wire_messages(self, message: M, index: int, round_: int) -> list[M]:
         """What this learner sends in place of the ``index``-th message of an all-reduce stream (``malform``)."""
         return [message]

@@ -90,6 +90,7 @@ from p2p_diloco.core.merging import token_weight
 logger = logging.getLogger(__name__)
 
 MAX_BANS = 64  # entries of a groupmate's ban list that are read (a list can be no reason to allocate)
+MAX_BAN_ROUNDS = 48  # the longest ban a repeated accusation starts (Bans.accuse)
 # A contribution counts at most this many times H inner steps. An honest learner in phase brings H
 # steps (up to 2H−1 in the round after the schedule re-phased it); one whose rounds failed or that
 # missed versions brings more, and keeps its work but counts as 2H. With the mean aggregator a liar's
@@ -325,11 +326,14 @@ def judge(gathered: Mapping[str, Any], rules: Rules, forged: Mapping[str, str] |
 class Bans:
     """This learner's short bans: a peer it excluded (rules 1-3) is listed for its next ``rounds`` rounds.
 
-    The list is gathered to every group (:meth:`listed`); :func:`judge` counts it as one vote.
+    The list is gathered to every group (:meth:`listed`); :func:`judge` counts it as one vote. A peer accused again
+    after its ban (:meth:`accuse`: a failed round was its doing) is banned twice as long each time, up to
+    :data:`MAX_BAN_ROUNDS`: a member that fails one round in every ``rounds + 1`` costs less each time.
     """
 
     rounds: int = 3
     _left: dict[str, int] = field(default_factory=dict)
+    _strikes: dict[str, int] = field(default_factory=dict)  # accusations that started a ban, by peer
 
     def listed(self) -> list[str]:
         """The peers this learner bans now, as it gathers them (sorted, at most :data:`MAX_BANS`)."""
@@ -340,9 +344,16 @@ class Bans:
         (a reducer whose shard did not match what its senders sent, p2p_diloco/core/shard_sketches.py)."""
         if peer == me or self.rounds <= 0:
             return
-        if peer not in self._left:
-            logger.info(f"{peer[-6:]} is banned from this learner's next {self.rounds} rounds: {why}")
-        self._left[peer] = self.rounds + 1  # the next round's after_round counts one off
+        if peer in self._left:  # one failure may be named twice (the round's and the commit's): one strike
+            self._left[peer] = max(self._left[peer], self.rounds + 1)
+            return
+        strikes = self._strikes.get(peer, 0)
+        if len(self._strikes) >= 4 * MAX_BANS and peer not in self._strikes:
+            self._strikes.pop(next(iter(self._strikes)))  # bounded: the oldest accused peer is forgotten
+        self._strikes[peer] = strikes + 1
+        rounds = min(self.rounds << min(strikes, 16), max(self.rounds, MAX_BAN_ROUNDS))
+        logger.info(f"{peer[-6:]} is banned from this learner's next {rounds} rounds: {why}")
+        self._left[peer] = rounds + 1  # the next round's after_round counts one off
 
     def after_round(self, verdict: Verdict | None, me: str) -> list[str]:
         """Count one round of this learner; ban the peers ``verdict`` excluded on evidence (not ``me``).

@@ -19,6 +19,7 @@ import enum
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,7 +186,8 @@ class OuterRound:
         new_sha = self.state.sha256()
         certifying = time.perf_counter()
         if self.certifier is not None:
-            commit = Commit(self.certifier.lineage, self.fragment, self.state.version, new_sha, meta["sha256"],
+            commit = Commit(self.certifier.lineage, self.fragment, self.state.version,
+                            self.faults.signed_sha(new_sha, self.state.version), meta["sha256"],
                             tuple(sorted(contributors)))
             if self.verify_reducers and result.sketch is not None and result.sketch_key:
                 cert = self.certifier.certify(commit, sketch=result.sketch, sketch_key=result.sketch_key,
@@ -194,6 +196,7 @@ class OuterRound:
             else:
                 cert = self.certifier.certify(commit, patience=result.allreduce_seconds)
             if isinstance(cert, str):
+                self._blame(getattr(cert, "blamed", ()), cert)
                 return self._fail(cert, group_size=len(contributors))
             self.state.add_certificate(self.state.version, cert.to_dict())
         self.stage = Stage.APPLIED
@@ -234,6 +237,15 @@ class OuterRound:
             return why
 
         return verify
+
+    def _blame(self, peers: Sequence[str], why: str) -> None:
+        """Ban the members a failed commit names from this learner's next rounds (a failure has an owner: the
+        groupmates that ban it too leave it out of their rounds, :class:`p2p_diloco.core.exclusion.Bans`)."""
+        accuse = getattr(self.averaging, "accuse", None)
+        for peer in peers:
+            self._excluded[peer] = why
+            if accuse is not None:
+                accuse(peer, why)
 
     @staticmethod
     def _weight(verdict: Verdict, peer: str, mates: dict[str, dict[str, Any]]) -> float:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
 import hivemind.averaging.averager
@@ -53,9 +53,10 @@ class RefusedPeers(MatchmakingException):
     """The all-reduce failed, and this member refused parts or replies of ``peers`` (malformed, non-finite,
     larger than declared): the learner bans them from its next rounds."""
 
-    def __init__(self, message: str, peers: Sequence[str]):
-        super().__init__(message, tuple(peers))  # both in args: the exception crosses to the learner pickled
-        self.message, self.peers = message, tuple(peers)
+    def __init__(self, message: str, peers: Sequence[str],
+                 why: str = "it sent malformed, non-finite or oversized parts or replies"):
+        super().__init__(message, tuple(peers), why)  # all in args: the exception crosses to the learner pickled
+        self.message, self.peers, self.why = message, tuple(peers), why
 
     def __str__(self) -> str:
         return self.message
@@ -181,7 +182,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         except ExcludedFromRound:
             raise
         except RefusedPeers as e:
-            raise RefusedPeers(f"Unable to run All-Reduce: {e}", e.peers) from e
+            raise RefusedPeers(f"Unable to run All-Reduce: {e}", e.peers, e.why) from e
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"all-reduce failed: {e!r}")
@@ -250,8 +251,13 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
             names = ", ".join(f"{p[-6:]} ({e.why})" for p, e in sorted(verdict.excluded.items()))
             why = f" left after leaving out {names}" if names else " in the group"
             counts = "" if established is None else " established"
-            raise AllreduceException(f"{left}{counts} contribution(s){why}: below the quorum "
-                                     f"{'K' if quorum == self._base_quorum else 'of a majority'} = {quorum}")
+            message = (f"{left}{counts} contribution(s){why}: below the quorum "
+                       f"{'K' if quorum == self._base_quorum else 'of a majority'} = {quorum}")
+            inflated = inflated_claims(gathered, str(self.peer_id))
+            if inflated:
+                raise RefusedPeers(f"{message}, claimed by {', '.join(p[-6:] for p in inflated)}", inflated,
+                                   "it claimed a majority quorum more than twice ours")
+            raise AllreduceException(message)
 
     def _cancel_registration(self, group_info) -> None:
         running = self._running_groups.get(group_info.group_id)
@@ -351,6 +357,8 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         if not owner:
             return ""
         key = shard_sketches.sketch_key(self.prefix, sketch["seed"])
+        if self._faults.withholds_sketch(self._fault_round):
+            return key  # the groupmates wait for it in vain
         try:
             stored = self.dht.store(key, msgpack.packb(sketch, use_bin_type=True), get_dht_time() + 300.0,
                                     subkey=owner, return_future=True)
@@ -452,6 +460,22 @@ def group_quorum(gathered: Iterable[Any], base: int, claim: str = "quorum") -> i
         return base
     claims.sort()
     return max(base, claims[len(claims) // 2])
+
+
+def inflated_claims(gathered: Mapping[Any, Any], me: str) -> list[str]:
+    """The members whose gathered majority quorum is more than twice ours plus 2: a swarm more than twice as large
+    as the one this member's records show, which only a liar or a member reading another swarm claims. A round
+    that fails on such a claim (in a pair the upper median is the larger) is their doing. [] when we gathered no
+    valid claim; a malformed claim counts as K (:func:`group_quorum`) and fails nothing."""
+    def claim(meta: Any) -> int | None:
+        value = meta.get("quorum") if isinstance(meta, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_QUORUM else None
+
+    claims = {str(p): claim(m) for p, m in gathered.items()}
+    mine = claims.pop(me, None)
+    if mine is None:
+        return []
+    return sorted(p for p, c in claims.items() if c is not None and c > 2 * mine + 2)
 
 
 def _settle(future: MPFuture, action: Callable[[], None]) -> None:

@@ -220,9 +220,9 @@ class HivemindAveraging:
             self._last_verdict = result.verdict
             return result
 
-    def _accuse_refused(self, peers: Sequence[str]) -> None:
+    def _accuse_refused(self, peers: Sequence[str], why: str) -> None:
         for peer in peers:
-            self.accuse(str(peer), "it sent malformed, non-finite or oversized parts or replies")
+            self.accuse(str(peer), why)
 
     def accuse(self, peer: str, why: str) -> None:
         """Ban ``peer`` from this learner's next rounds (:meth:`p2p_diloco.core.exclusion.Bans.accuse`)."""
@@ -281,7 +281,8 @@ class HivemindAveraging:
         if self.step_tokens is not None:
             metadata = {**metadata, "step_tokens": int(self.step_tokens)}
         if self.cfg.quorum == "majority":
-            metadata = {**metadata, "quorum": self._quorum}
+            round_ = int(metadata.get("version", 0)) + 1
+            metadata = {**metadata, "quorum": self.faults.gathered_quorum(self._quorum, round_)}
         if self.established_training is not None:
             metadata = {**metadata, "established": int(self.established_training())}
         gathered = {**metadata, "fragment": fragment, "weight": float(weight), "rules": self._rules().gathered(),
@@ -325,7 +326,7 @@ class HivemindAveraging:
             if isinstance(e, ExcludedFromRound):
                 raise RoundFailed(str(e)) from None
             if isinstance(e, RefusedPeers):
-                self._accuse_refused(e.peers)
+                self._accuse_refused(e.peers, e.why)
             raise RoundFailed(f"{type(e).__name__}: {e}".strip()) from None
         if not result:
             raise RoundFailed("no group formed within the round window")
@@ -334,7 +335,7 @@ class HivemindAveraging:
         self.faults.fire("commit", version + 1, group=len(result["gathered"]))
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
-        self._accuse_refused(stats.get("refused") or ())
+        self._accuse_refused(stats.get("refused") or (), "it sent malformed, non-finite or oversized parts or replies")
         self.on_received(int(stats.get("bytes_received", 0)))
         if "group_formed" in stats:
             self.on_matchmaking(max(0.0, float(stats["group_formed"]) - began))

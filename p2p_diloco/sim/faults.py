@@ -6,7 +6,7 @@ Grammar (one fault per line; several joined with ``;`` on the command line)::
     hang for S s at round R during STAGE [in a group of N]
     drop for S s at round R during STAGE [in a group of N]
     poison at round R with nan|flip|scale X|climb [N]|diverge
-    lie at round R with ahead|state|weight|shard
+    lie at round R with ahead|state|weight|shard|sketch|hash|quorum
     malform at round R with KIND
 
 A *round R* is the round that produces global version R of a fragment (the R-th outer step). A fault
@@ -50,7 +50,11 @@ global state, Θ scaled by −50 at a version 3 ahead, whose history lists the s
 (it is its own lineage's history), hash recomputed, and advertises it in its progress record;
 ``weight`` gathers a weight of 1e15 for its outer gradient (its tokens as it reports them); ``shard``
 returns the shard it reduces scaled by −50 to every member, itself included (a malicious reducer; the
-members' sketches catch it, :mod:`p2p_diloco.core.shard_sketches`).
+members' sketches catch it, :mod:`p2p_diloco.core.shard_sketches`); ``sketch`` never publishes its reducer
+sketch (its groupmates cannot check their shards); ``hash`` signs each commit with another hash of the new
+state; ``quorum`` gathers a majority quorum of 1,000,000 (the largest that is well-formed). Each of the last
+three fails the rounds it joins unless its groupmates name it and leave it out (docs/security.md, "Every
+failure has an owner").
 ``malform`` makes the learner a hostile peer on the wire from round R on (until a later ``malform``):
 every outer-gradient part it sends and every averaged shard it returns is malformed as KIND says
 (NaN values, a wrong size, a lying codec tag, a part too many, ...: :mod:`p2p_diloco.sim.malformed`).
@@ -65,6 +69,7 @@ Example, as a test would write it::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -88,7 +93,8 @@ _POISON = re.compile(
     r"^\s*poison\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>nan|flip|scale|climb|diverge)"
     r"(?:\s+(?P<factor>\S+))?\s*$"
 )
-_LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>ahead|state|weight|shard)\s*$")
+LIE_MODES = ("ahead", "state", "weight", "shard", "sketch", "hash", "quorum")
+_LIE = re.compile(r"^\s*lie\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<mode>" + "|".join(LIE_MODES) + r")\s*$")
 _MALFORM = re.compile(r"^\s*malform\s+at\s+round\s+(?P<round>\d+)\s+with\s+(?P<kind>\S+)\s*$")
 MALFORM_KINDS = ("nan", "inf", "ninf", "huge", "size-empty", "size-neg", "size-2e62", "shape", "short", "long",
                  "float64", "no-dtype", "block-0", "block-neg", "other-codec", "block-huge", "extra-part",
@@ -96,6 +102,7 @@ MALFORM_KINDS = ("nan", "inf", "ninf", "huge", "size-empty", "size-neg", "size-2
 LIE_WEIGHT = 1e15  # the weight a learner lying "with weight" gathers for its outer gradient
 LIE_VERSIONS = {"ahead": 1000, "state": 3}  # how far ahead each lie claims to be
 LIE_SHARD_FACTOR = -50.0  # what a reducer lying "with shard" multiplies its averaged shard by
+LIE_QUORUM = 1_000_000  # the majority quorum a learner lying "with quorum" gathers (the most that is well-formed)
 
 
 class FaultPlanError(ValueError):
@@ -142,7 +149,7 @@ class FaultPlan(FaultHooks):
                 lie = _LIE.match(line)
                 if not lie:
                     raise FaultPlanError(
-                        f"fault {line.strip()!r}: expected 'lie at round R with ahead|state|weight|shard'")
+                        f"fault {line.strip()!r}: expected 'lie at round R with {'|'.join(LIE_MODES)}'")
                 faults.append(Fault("lie", int(lie["round"]), "record", mode=lie["mode"]))
                 continue
             if line.strip().startswith("malform"):
@@ -233,6 +240,15 @@ class FaultPlan(FaultHooks):
 
     def reduced_shard(self, averaged: torch.Tensor, round_: int) -> torch.Tensor:
         return averaged * LIE_SHARD_FACTOR if self.lying("shard", round_) else averaged
+
+    def withholds_sketch(self, round_: int) -> bool:
+        return self.lying("sketch", round_)
+
+    def signed_sha(self, sha: str, round_: int) -> str:
+        return hashlib.sha256(sha.encode()).hexdigest() if self.lying("hash", round_) else sha
+
+    def gathered_quorum(self, quorum: int, round_: int) -> int:
+        return LIE_QUORUM if self.lying("quorum", round_) else quorum
 
     def wire_messages(self, message: Any, index: int, round_: int) -> list[Any]:
         kind = self.malforming(round_)

@@ -34,6 +34,19 @@ _RECORD_SECONDS = 300.0  # how long a signature stays in the DHT: long enough fo
 _MAX_VALUE_BYTES = 64 * 1024
 
 
+class NotCertified(str):
+    """Why a commit was not certified (one line, as before), and ``blamed``: the contributors whose doing it was,
+    on evidence this member checked itself: no sketch of theirs came (it cannot check its shards without
+    one), or they signed the same round's commit with another hash of the new state."""
+
+    blamed: tuple[str, ...]
+
+    def __new__(cls, why: str, blamed: tuple[str, ...] | list[str] = ()) -> NotCertified:
+        self = super().__new__(cls, why)
+        self.blamed = tuple(blamed)
+        return self
+
+
 def commit_key(lineage: str, fragment: int, version: int) -> str:
     """The DHT key under which a round's members store their signatures of its commit."""
     return f"{lineage}_commit_{fragment}_{version}"
@@ -111,8 +124,12 @@ class CommitBoard:
                 if reached is not None:
                     return cert
                 which = "" if established is None else " established"
-                return (f"commit of fragment {commit.fragment} version {commit.version} not certified: "
-                        f"{signers} of the quorum {quorum}{which} signatures within {limit:g} s")
+                why = (f"commit of fragment {commit.fragment} version {commit.version} not certified: "
+                       f"{signers} of the quorum {quorum}{which} signatures within {limit:g} s")
+                dissent = self._dissenters(key, commit)
+                if dissent:
+                    why += f"; {', '.join(p[-6:] for p in dissent)} signed another hash of the new state"
+                return NotCertified(why, dissent)
             time.sleep(self.poll)
 
     def _verified(self, sketch_key: str, commit: Commit, sketch: dict[str, Any] | None,
@@ -127,9 +144,10 @@ class CommitBoard:
             if not missing:
                 return verify(found)
             if time.monotonic() - started >= limit or self.should_stop():
-                return (f"commit of fragment {commit.fragment} version {commit.version} not signed: its reducers "
-                        f"could not be checked, no sketch from {', '.join(p[-6:] for p in missing)} within "
-                        f"{limit:g} s")
+                return NotCertified(f"commit of fragment {commit.fragment} version {commit.version} not signed: its "
+                                    f"reducers could not be checked, no sketch from "
+                                    f"{', '.join(p[-6:] for p in missing)} within {limit:g} s",
+                                    [] if self.should_stop() else missing)
             time.sleep(self.poll)
 
     def _sketches(self, key: str) -> dict[str, Any]:
@@ -155,6 +173,25 @@ class CommitBoard:
             return []
         return [(subkey, item.value) for subkey, item in found.value.items()
                 if isinstance(getattr(item, "value", None), bytes) and len(item.value) <= _MAX_VALUE_BYTES]
+
+    def _dissenters(self, key: str, commit: Commit) -> list[str]:
+        """The contributors whose valid signature under ``key`` is of this round (same parent and contributors)
+        with another hash of the new state: after an all-reduce that gave every member the same sum, a state
+        that differs is the signer's doing (it is signed, so anyone can check the claim)."""
+        out = set()
+        for _, raw in self._raw_entries(key):
+            try:
+                entry = msgpack.unpackb(raw, raw=False)
+                theirs = Commit.from_dict(entry["commit"])
+                signer = Signature.from_list(entry["signature"]).signer(theirs)
+            except Exception:  # noqa: BLE001 - a peer's malformed entry: no evidence of anything
+                continue
+            if (signer in commit.contributors and theirs.sha256 != commit.sha256 and theirs.parent == commit.parent
+                    and theirs.contributors == commit.contributors
+                    and (theirs.lineage, theirs.fragment, theirs.version)
+                    == (commit.lineage, commit.fragment, commit.version)):
+                out.add(signer)
+        return sorted(out)
 
     def _read(self, key: str, commit: Commit) -> list[Signature]:
         """The signatures of exactly ``commit`` stored under ``key`` (anything else is ignored)."""

@@ -28,6 +28,7 @@ from p2p_diloco.core.exclusion import (
 )
 from p2p_diloco.core.merging import global_norm, token_weight
 from p2p_diloco.core.outer import GlobalState, OuterOptimizer
+from p2p_diloco.hooks import NO_FAULTS
 from p2p_diloco.learner.round import OuterRound
 from p2p_diloco.net import allreduce
 from p2p_diloco.net.allreduce import ExactAllReduceRunner
@@ -218,6 +219,23 @@ def test_bans_last_the_given_number_of_rounds_and_are_logged_once(caplog):
         listed.append(bans.listed())
         bans.after_round(Verdict(), me="me")
     assert listed == [["peer-x"], ["peer-x"], ["peer-x"], []]
+
+
+def test_a_peer_accused_again_is_banned_twice_as_long_each_time():
+    bans = Bans(rounds=3)
+    lengths = []
+    for _ in range(6):
+        bans.accuse("peer-x", me="me", why="no sketch from it")
+        bans.accuse("peer-x", me="me", why="it signed another hash")  # the same failure named twice: one strike
+        bans.after_round(Verdict(), me="me")  # the failed round itself
+        n = 0
+        while bans.listed():
+            bans.after_round(Verdict(), me="me")
+            n += 1
+        lengths.append(n)
+    assert lengths == [3, 6, 12, 24, 48, 48]
+    bans.accuse("me", me="me", why="never ourselves")
+    assert bans.listed() == []
 
 
 def test_bans_skip_ourselves_and_ban_only_exclusions_and_can_be_off():
@@ -535,7 +553,8 @@ def test_without_a_swarm_wide_bound_the_lower_median_of_the_members_steps_bounds
 def test_the_learner_gathers_its_own_step_size():
     cfg = load_learner_config(None, [])
     averaging = SimpleNamespace(cfg=cfg.averaging, step_tokens=16 * 128, _bans=None, _rules=lambda: PER_MEMBER,
-                                dht=SimpleNamespace(), _quorum=2, client_mode=False, established_training=lambda: 3)
+                                dht=SimpleNamespace(), _quorum=2, client_mode=False, established_training=lambda: 3,
+                                faults=NO_FAULTS)
     averaging._bans = SimpleNamespace(listed=lambda: [])
     meta = HivemindAveraging._gathered(averaging, [torch.ones(3)], 2.0, {"tokens": 5}, 0)  # type: ignore[arg-type]
     assert meta["step_tokens"] == 16 * 128 and meta["weight"] == 2.0

@@ -102,6 +102,10 @@ def test_lies_last_from_their_round_on_and_forge_a_poisoned_state():
     assert fake.version == 4 + LIE_VERSIONS["state"] and torch.equal(fake.params[0], torch.full((3,), -50.0))
     assert fake.descends_from(4, real.sha256()) and real.version == 4  # lists the victim's state; real untouched
     assert FaultPlan.parse("lie at round 1 with weight").lying("weight", 1)
+    rounds = FaultPlan.parse("lie at round 2 with sketch; lie at round 2 with hash; lie at round 2 with quorum")
+    assert not rounds.withholds_sketch(1) and rounds.withholds_sketch(2)
+    assert rounds.signed_sha("a" * 64, 1) == "a" * 64 and rounds.signed_sha("a" * 64, 2) not in ("a" * 64, "")
+    assert rounds.gathered_quorum(3, 1) == 3 and rounds.gathered_quorum(3, 3) == 1_000_000
     with pytest.raises(FaultPlanError, match="lie at round R with ahead"):
         FaultPlan.parse("lie at round 3 with everything")
 

@@ -231,7 +231,25 @@ def test_a_member_signs_only_once_every_contributors_sketch_passes_its_check(pee
     publish(1)
     out = board(0, timeout=0.3).certify(commit, sketch={"from": 0}, verify=verify(0, ""), sketch_key="sk")
     assert isinstance(out, str) and "could not be checked, no sketch from" in out and peers[2][0][-6:] in out, out
+    assert out.blamed == (peers[2][0],)  # the failure has an owner: the learner bans it (learner/round.py)
     assert "run-lin_commit_0_5" not in shared
+
+
+def test_a_contributor_that_signs_another_hash_of_the_new_state_is_named(peers):
+    """After an all-reduce every member holds the same sum: a contributor that signs the round's commit with
+    another hash (same round: parent, contributors) is named; one that signs another round's is not."""
+    shared: dict = {}
+    commit = _commit(peers, n=2)
+    other = Commit(**{**commit.to_dict(), "contributors": commit.contributors, "sha256": "c" * 64})
+    shared["run-lin_commit_0_5"] = {b"owner-1": SimpleNamespace(value=msgpack.packb(
+        {"commit": other.to_dict(), "signature": Signature.make(peers[1][1], other).to_list()}))}
+    board = CommitBoard(_Dht(shared, b"owner-0"), "run-lin", peers[0][1], quorum=2, timeout=0.2, poll=0.01)
+    out = board.certify(commit)
+    assert isinstance(out, str) and "signed another hash" in out and out.blamed == (peers[1][0],), out
+    elsewhere = Commit(**{**other.to_dict(), "contributors": commit.contributors, "parent": "d" * 64})
+    shared["run-lin_commit_0_5"] = {b"owner-1": SimpleNamespace(value=msgpack.packb(
+        {"commit": elsewhere.to_dict(), "signature": Signature.make(peers[1][1], elsewhere).to_list()}))}
+    assert board.certify(commit).blamed == ()  # another parent: another round, no evidence against it
 
 
 def test_certificates_link_a_state_to_an_ancestor_by_parent_hashes_or_say_they_cannot(peers):

@@ -17,6 +17,10 @@ ahead_client  the same from a learner in client mode (nobody dials it, so nobody
 state      it serves Θ scaled by −50, 3 versions ahead, with a history listing the honest states
 shard      as a reducer, it returns the shard it averaged scaled by −50 to everyone
 malform    every part it sends and every reply it returns holds 3·10³⁸ in each value (finite)
+sketch     it never publishes its reducer sketch (nobody can check the shards it sent parts of)
+hash       it signs each commit with another hash of the new state
+quorum     it gathers a majority quorum of 1,000,000 (in a pair, the upper median)
+unowned    all three: each fails the round it joins (run with ``--honest 2`` so that pairs form)
 =========  ======================================================================================
 
 Every case runs with the token-weighted mean and with ``averaging.aggregator=median``; ``--set KEY=VALUE``
@@ -77,6 +81,10 @@ ATTACKS = {
     "state": "lie at round 2 with state",
     "shard": "lie at round 2 with shard",
     "malform": "malform at round 2 with huge",
+    "sketch": "lie at round 2 with sketch",
+    "hash": "lie at round 2 with hash",
+    "quorum": "lie at round 2 with quorum",
+    "unowned": "lie at round 2 with sketch; lie at round 2 with hash; lie at round 2 with quorum",
     "unchecked": None,
 }
 ATTACKER_SETTINGS = {"ahead_client": ["--set", "network.client_mode=true"]}  # on the attacker alone

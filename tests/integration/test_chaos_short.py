@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_the_chaos_benchmarks_short_mode_reports_both_goodputs_without_a_fork(tmp_path):
     out = tmp_path / "chaos.json"

@@ -8,7 +8,7 @@ import torch
 
 from p2p_diloco.sim.processes import wait_until
 
-from .harness import committed_version
+from .harness import SURVIVOR, committed_version
 from .test_swarm import _assert_one_lineage
 
 DECOUPLED = ["--set", "sync.fragments=4", "--set", "sync.overlap_steps=2", "--set", "inner.steps_per_outer=24",
@@ -53,7 +53,7 @@ def test_a_learner_killed_after_a_merge_keeps_that_merge_in_its_checkpoint(swarm
     the inner step of the commit. The survivors also check ``run.eval_every``.
     """
     swarm.start_bootstrap()
-    survivors = [swarm.start_learner(i, max_outer_steps=3, extra=[*DECOUPLED, "--set", "run.eval_every=2"])
+    survivors = [swarm.start_learner(i, max_outer_steps=3, extra=[*DECOUPLED, "--set", "run.eval_every=2", *SURVIVOR])
                  for i in range(2)]
     victim = swarm.start_learner(2, max_outer_steps=3, extra=[*DECOUPLED, "--fault", "kill at round 2 during inner"])
     assert victim.wait(200) == -signal.SIGKILL, victim.text()

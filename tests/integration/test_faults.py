@@ -13,7 +13,7 @@ import pytest
 from p2p_diloco.sim.processes import processes_in_group, wait_until
 from p2p_diloco.train.checkpoint import load_checkpoint
 
-from .harness import audit_events, committed_version, eval_losses
+from .harness import SURVIVOR, audit_events, committed_version, eval_losses
 from .test_swarm import _assert_one_lineage
 
 TARGET = 4
@@ -33,10 +33,12 @@ def _survivors_finish(swarm, learners, victim_index=2):
 
 @pytest.mark.timeout(300)
 # A kill during inner steps (between rounds) is test_swarm.py's test_sigkill_of_one_learner_does_not_stop_the_others.
-@pytest.mark.parametrize("stage", ["matchmaking", "send", "reduce", "receive"])
+# send and receive (killed mid-all-reduce, as in reduce) run in the slow tier.
+@pytest.mark.parametrize("stage", ["matchmaking", pytest.param("send", marks=pytest.mark.slow), "reduce",
+                                   pytest.param("receive", marks=pytest.mark.slow)])
 def test_learner_killed_at_each_stage(swarm, stage):
     swarm.start_bootstrap()
-    learners = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(2)]
+    learners = [swarm.start_learner(i, max_outer_steps=TARGET, extra=SURVIVOR) for i in range(2)]
     victim = swarm.start_learner(2, max_outer_steps=TARGET, extra=["--fault", f"kill at round 2 during {stage}"])
     learners.append(victim)
     assert victim.wait(200) == -signal.SIGKILL, victim.text()

@@ -130,3 +130,26 @@ def _three_honest_and_one(swarm, fault: str, settings: list[str] | None = None) 
     for p, s in zip(honest, summaries, strict=True):
         assert s["last_eval_loss"] < s["first_eval_loss"] - 0.5, (s, p.text()[-3000:])
     return liar_id, honest
+
+
+@pytest.mark.timeout(300)
+def test_a_member_that_fails_the_rounds_it_joins_is_named_and_left_out(swarm):
+    """Two honest learners and a member that, from round 2 on, never publishes its reducer sketch, signs each
+    commit with another hash and claims a majority quorum of 1,000,000: each fails the round it joins (the
+    sketch in a group of 3, the claim and the hash in a pair). Every such failure names it; the honest learners
+    ban it, leave it out of their next rounds and commit without it; neither honest learner is ever left out."""
+    swarm.start_bootstrap()
+    liar_id = peer_id_of(swarm.tmp / "ckpt-2" / "identity.key")
+    honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(2)]
+    swarm.start_learner(2, max_outer_steps=TARGET, extra=[
+        "--fault", "lie at round 2 with sketch; lie at round 2 with hash; lie at round 2 with quorum"])
+    for p in honest:
+        assert p.wait(240) == 0, p.text()
+    _assert_one_lineage(swarm, range(2), TARGET)
+    honest_ids = {peer_id_of(swarm.tmp / f"ckpt-{i}" / "identity.key", create=False) for i in range(2)}
+    rounds = [e for p in honest for e in audit_events(p) if e["event"] in ("committed", "failed")]
+    texts = "\n".join(p.text()[-3000:] for p in honest)
+    named = [e for e in rounds if e["event"] == "failed" and (liar_id in e["excluded"] or liar_id[-6:] in e["cause"])]
+    left_out = [e for e in rounds if e["event"] == "committed" and "banned by" in e["excluded"].get(liar_id, "")]
+    assert named and left_out, texts
+    assert not any(set(e["excluded"]) & honest_ids for e in rounds), texts

@@ -10,7 +10,7 @@ from p2p_diloco.config import load_learner_config
 from p2p_diloco.core.lr_schedule import inner_lr
 from p2p_diloco.sim.processes import processes_in_group, wait_until
 
-from .harness import SMALL, audit_events, committed_version
+from .harness import SMALL, SURVIVOR, audit_events, committed_version
 
 
 def _assert_one_lineage(swarm, learners, version):
@@ -86,7 +86,7 @@ def test_late_learner_catches_up_to_the_same_state(swarm):
 @pytest.mark.timeout(300)
 def test_sigkill_of_one_learner_does_not_stop_the_others(swarm):
     swarm.start_bootstrap()
-    learners = [swarm.start_learner(i, max_outer_steps=5) for i in range(3)]
+    learners = [swarm.start_learner(i, max_outer_steps=5, extra=SURVIVOR) for i in range(3)]
     wait_until(lambda: committed_version(learners[2]) >= 1, 150, learners[2], "version 1")
     victim = learners[2]
     os.kill(victim.pid, signal.SIGKILL)

@@ -49,12 +49,14 @@ from p2p_diloco.trust.signed_matchmaking import SignedGroupKeyManager, download_
 logger = get_logger(__name__)
 
 
+REFUSED_PARTS = "it sent malformed, non-finite or oversized parts or replies"  # why a refused sender is banned
+
+
 class RefusedPeers(MatchmakingException):
     """The all-reduce failed, and this member refused parts or replies of ``peers`` (malformed, non-finite,
     larger than declared): the learner bans them from its next rounds."""
 
-    def __init__(self, message: str, peers: Sequence[str],
-                 why: str = "it sent malformed, non-finite or oversized parts or replies"):
+    def __init__(self, message: str, peers: Sequence[str], why: str = REFUSED_PARTS):
         super().__init__(message, tuple(peers), why)  # all in args: the exception crosses to the learner pickled
         self.message, self.peers, self.why = message, tuple(peers), why
 
@@ -449,17 +451,17 @@ def group_quorum(gathered: Iterable[Any], base: int, claim: str = "quorum") -> i
     no longer lets the pair commit (WAN benchmark, links 10 → 2 Mbit/s: a pair committed while 4
     learners trained).
     """
-    claims: list[int] = []
-    for meta in gathered:
-        value = meta.get(claim) if isinstance(meta, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_QUORUM:
-            claims.append(value)
-        else:
-            claims.append(base)
+    claims = [base if (value := _claimed(meta, claim)) is None else value for meta in gathered]
     if not claims:
         return base
     claims.sort()
     return max(base, claims[len(claims) // 2])
+
+
+def _claimed(meta: Any, claim: str) -> int | None:
+    """A member's gathered ``claim`` if well-formed (an int in [1, MAX_QUORUM]), else None."""
+    value = meta.get(claim) if isinstance(meta, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_QUORUM else None
 
 
 def inflated_claims(gathered: Mapping[Any, Any], me: str) -> list[str]:
@@ -467,11 +469,7 @@ def inflated_claims(gathered: Mapping[Any, Any], me: str) -> list[str]:
     as the one this member's records show, which only a liar or a member reading another swarm claims. A round
     that fails on such a claim (in a pair the upper median is the larger) is their doing. [] when we gathered no
     valid claim; a malformed claim counts as K (:func:`group_quorum`) and fails nothing."""
-    def claim(meta: Any) -> int | None:
-        value = meta.get("quorum") if isinstance(meta, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_QUORUM else None
-
-    claims = {str(p): claim(m) for p, m in gathered.items()}
+    claims = {str(p): _claimed(m, "quorum") for p, m in gathered.items()}
     mine = claims.pop(me, None)
     if mine is None:
         return []

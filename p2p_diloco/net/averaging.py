@@ -35,7 +35,7 @@ from p2p_diloco.core.averaging_api import AverageResult, RoundFailed, RoundSuper
 from p2p_diloco.core.exclusion import Bans, Rules, Verdict
 from p2p_diloco.core.merging import global_norm
 from p2p_diloco.hooks import NO_FAULTS, FaultHooks
-from p2p_diloco.net.averager_process import ExcludedFromRound, OuterGradientAverager, RefusedPeers
+from p2p_diloco.net.averager_process import REFUSED_PARTS, ExcludedFromRound, OuterGradientAverager, RefusedPeers
 from p2p_diloco.net.codecs import get_codec
 from p2p_diloco.trust import signed_metadata
 from p2p_diloco.trust.signed_matchmaking import declared, download_key
@@ -335,7 +335,7 @@ class HivemindAveraging:
         self.faults.fire("commit", version + 1, group=len(result["gathered"]))
         groupmates = {str(peer): data for peer, data in result["gathered"].items()}
         stats = result.get("stats", {})
-        self._accuse_refused(stats.get("refused") or (), "it sent malformed, non-finite or oversized parts or replies")
+        self._accuse_refused(stats.get("refused") or (), REFUSED_PARTS)
         self.on_received(int(stats.get("bytes_received", 0)))
         if "group_formed" in stats:
             self.on_matchmaking(max(0.0, float(stats["group_formed"]) - began))

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -186,10 +186,7 @@ class CommitBoard:
                 signer = Signature.from_list(entry["signature"]).signer(theirs)
             except Exception:  # noqa: BLE001 - a peer's malformed entry: no evidence of anything
                 continue
-            if (signer in commit.contributors and theirs.sha256 != commit.sha256 and theirs.parent == commit.parent
-                    and theirs.contributors == commit.contributors
-                    and (theirs.lineage, theirs.fragment, theirs.version)
-                    == (commit.lineage, commit.fragment, commit.version)):
+            if signer in commit.contributors and theirs != commit and replace(theirs, sha256=commit.sha256) == commit:
                 out.add(signer)
         return sorted(out)
 

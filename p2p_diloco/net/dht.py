@@ -21,6 +21,7 @@ from typing import Any
 import hivemind
 
 from p2p_diloco.errors import LearnerError
+from p2p_diloco.net import record_quota
 from p2p_diloco.net.message_caps import cap_stream_messages
 from p2p_diloco.net.strong_tasks import in_loops_made_by
 from p2p_diloco.net.traffic import counting_p2p
@@ -126,8 +127,10 @@ class LinkedDHT(hivemind.DHT):
     the DHT's and those of averagers on its p2pd (:meth:`replicate_p2p`), is behind ``admission``."""
 
     def __init__(self, *args: Any, admission: Admission | None = None, owner: bytes = b"",
-                 signing: IdentityKey | None = None, **kwargs: Any):
+                 signing: IdentityKey | None = None, records_per_owner: int = record_quota.MAX_RECORDS_PER_OWNER,
+                 **kwargs: Any):
         self.admission = admission or Admission()
+        self.records_per_owner = records_per_owner  # how many records one other identity may keep on this node
         self.owner = owner  # the subkey of this peer's own signed records (its public key marker)
         self.signing = signing  # the identity key itself: the round's gathered metadata is signed with it
         super().__init__(*args, **kwargs)
@@ -144,6 +147,7 @@ class LinkedDHT(hivemind.DHT):
         # hivemind's DHTNode creates its P2P itself; in this (child) process only, it makes one that
         # counts its RPCs (p2p_diloco/net/traffic.py) and, in a private swarm, is gated.
         hivemind.dht.node.P2P = counting_p2p(gated_p2p(self.admission))
+        hivemind.dht.node.DHTProtocol = _quota_protocol(self.owner, self.records_per_owner)
         super().run()
 
     async def replicate_p2p(self) -> hivemind.P2P:
@@ -182,6 +186,21 @@ class LinkedDHT(hivemind.DHT):
         return self._serialized(super().run_coroutine, args, kwargs)
 
 
+def _quota_protocol(exempt: bytes, records: int) -> type:
+    """hivemind's DHTProtocol whose storage and cache hold at most a budget of records per owner
+    (p2p_diloco/net/record_quota.py); this node's own records (``exempt``) are not counted."""
+    import hivemind.dht.protocol
+
+    class DHTProtocol(hivemind.dht.protocol.DHTProtocol):  # hivemind names RPC handlers after the class
+        @classmethod
+        async def create(cls, *args: Any, **kwargs: Any) -> hivemind.dht.protocol.DHTProtocol:
+            protocol = await super().create(*args, **kwargs)
+            record_quota.install(protocol, exempt, records)
+            return protocol
+
+    return DHTProtocol
+
+
 def start_dht(
     *,
     initial_peers: Sequence[str],
@@ -196,6 +215,7 @@ def start_dht(
     client_mode: bool = False,
     use_relay: bool = True,
     use_auto_relay: bool = False,
+    records_per_owner: int = record_quota.MAX_RECORDS_PER_OWNER,
 ) -> LinkedDHT:
     """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
 
@@ -207,6 +227,8 @@ def start_dht(
     ``use_relay`` and ``use_auto_relay``: p2pd's circuit relay and its search for relays behind NAT.
     ``signing``: the identity key that signs this peer's records (hivemind's ``RSASignatureValidator``);
     with it, records of others are validated too: every record must be signed by its owner (:class:`OwnedRecords`).
+    ``records_per_owner``: how many live records another identity may keep on this node
+    (p2p_diloco/net/record_quota.py).
     """
     validators: list[Any] = []
     owner = b""
@@ -229,6 +251,7 @@ def start_dht(
             client_mode=client_mode,
             use_relay=use_relay,
             use_auto_relay=use_auto_relay,
+            records_per_owner=records_per_owner,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
         raise _start_error(what, e) from None

@@ -2,7 +2,8 @@
 
 hivemind's public API cannot give one all-reduce result per version, all-or-nothing rounds or checked
 wire parts, so :mod:`.allreduce`, :mod:`.averager_process`, :mod:`.downloads`, :mod:`.message_caps` and
-:mod:`.patient_matchmaking` override private methods. Each entry names the upstream method, the
+:mod:`.patient_matchmaking` override private methods (and :mod:`.dht` and :mod:`.record_quota` the storage a DHT
+node keeps records in). Each entry names the upstream method, the
 module that overrides it, and a fingerprint of the upstream source as it was read and checked
 against (``PINNED_VERSION``, the version ``constraints.txt`` installs). ``tests/unit/net/
 test_hivemind_surface.py`` fails when the installed hivemind differs from it: read the changed upstream
@@ -58,6 +59,12 @@ OVERRIDES = (
              "fe7b419d01ced5fe"),
     Override("hivemind.averaging.averager:DecentralizedAverager.get_current_state", "downloads", "e40a50069c2b4868"),
     Override("hivemind.p2p.p2p_daemon:P2P.receive_raw_data", "message_caps", "353ef452baab5a81"),
+    # A node's storage and cache become quota storages (record_quota.py) made right after create() makes them; every
+    # record another peer stores reaches them through store_subkey (rpc_store), which the quota storage wraps.
+    Override("hivemind.dht.protocol:DHTProtocol.create", "dht", "a5090f84f8c2f94a"),
+    Override("hivemind.dht.protocol:DHTProtocol.rpc_store", "record_quota", "1be6960bd046f8f7",
+             replaced_by="store_subkey"),
+    Override("hivemind.dht.storage:DHTLocalStorage.store_subkey", "record_quota", "a03eb0eed2a6512b"),
     # request_timeout becomes a property; this is the method that reads it, twice
     Override("hivemind.averaging.matchmaking:Matchmaking._request_join_group", "patient_matchmaking",
              "df823040a94d1c1d", replaced_by="request_timeout"),

@@ -112,17 +112,20 @@ def test_an_outsider_cannot_read_write_or_download(tmp_path):
             s.shutdown()
 
 
-def _signing_members(tmp_path, started: list) -> list:
+def _signing_peer(tmp_path, name: str, joins, started: list, **kwargs):
+    """A learner's DHT (signing records with its identity, owner-marked records only), joined to ``joins``."""
+    identity = tmp_path / f"{name}.key"
+    peer_id_of(identity)
+    started.append(start_dht(initial_peers=[str(a) for a in joins.get_visible_maddrs()] if joins else [],
+                             host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], identity_path=identity,
+                             startup_timeout=30, signing=IdentityKey.load(identity), **kwargs))
+    return started[-1]
+
+
+def _signing_members(tmp_path, started: list, **kwargs) -> list:
     """Two learners' DHTs (joined, signing records with their identities, owner-marked records only)."""
-    members: list = []
-    for i in range(2):
-        identity = tmp_path / f"member-{i}.key"
-        peer_id_of(identity)
-        members.append(start_dht(initial_peers=[str(a) for m in members[:1] for a in m.get_visible_maddrs()],
-                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
-                                 identity_path=identity, startup_timeout=30, signing=IdentityKey.load(identity)))
-        started.append(members[-1])
-    return members
+    first = _signing_peer(tmp_path, "member-0", None, started, **kwargs)
+    return [first, _signing_peer(tmp_path, "member-1", first, started, **kwargs)]
 
 
 @pytest.mark.timeout(150)
@@ -235,15 +238,42 @@ def test_a_plain_value_cannot_squat_a_rounds_key(tmp_path):
 
         # A record signed by its owner but of 256 KiB: no member stores it, no search returns it.
         # (A DHT process that reads its requests whole: a bare hivemind DHT can hang on a large one.)
-        identity = tmp_path / "hoarder.key"
-        peer_id_of(identity)
-        hoarder = start_dht(initial_peers=[str(a) for a in members[0].get_visible_maddrs()],
-                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], identity_path=identity,
-                            startup_timeout=30, signing=IdentityKey.load(identity))
-        started.append(hoarder)
+        hoarder = _signing_peer(tmp_path, "hoarder", members[0], started)
         hoarder.store("hoard", b"x" * 2**18, now + 60, subkey=hoarder.owner)
         for member in members:
             assert member.get("hoard", latest=True) is None
+    finally:
+        for s in reversed(started):
+            s.shutdown()
+
+
+async def _held_by(owner: bytes, _dht, node) -> tuple[int, int]:
+    return node.protocol.storage.held_by(owner)
+
+
+@pytest.mark.timeout(150)
+def test_one_identity_cannot_fill_another_nodes_memory(tmp_path):
+    """Valid signed records under as many keys as a peer likes filled every node's memory (only each
+    record's size was bounded). Now a node keeps at most a budget of live records per owner (16 here, 4,096
+    by default) and refuses the rest; the owner's records already there stay, and so do everyone else's."""
+    started: list = []
+    try:
+        members = _signing_members(tmp_path, started, records_per_owner=16)
+        hoarder = _signing_peer(tmp_path, "hoarder", members[0], started)
+        now = get_dht_time()
+        for i in range(40):
+            hoarder.store(f"hoard-{i}", b"x" * 1024, now + 60, subkey=hoarder.owner)
+        for member in members:
+            held, size = member.run_coroutine(functools.partial(_held_by, hoarder.owner))
+            assert held == 16 and 16 * 1024 < size < 16 * 2048, (held, size)  # each value and its signature
+        assert members[1].get("hoard-0", latest=True) is not None  # the first ones stay
+        assert hoarder.store("hoard-0", b"y" * 1024, now + 90, subkey=hoarder.owner)  # and may be refreshed
+        assert members[1].get("hoard-0", latest=True).value[hoarder.owner].value == b"y" * 1024
+        for i in range(10):  # another owner's records count against its own budget only
+            members[0].store(f"mine-{i}", b"m", now + 60, subkey=members[0].owner)
+        assert members[1].run_coroutine(functools.partial(_held_by, members[0].owner))[0] == 10
+        found = members[1].get("mine-9", latest=True)
+        assert found is not None and members[0].owner in found.value
     finally:
         for s in reversed(started):
             s.shutdown()

@@ -172,13 +172,13 @@ class AveragingConfig(_Section):
                           "of the others' (a learner that climbs the loss): each member gathers a 128-value sketch of "
                           "its outer gradient (p2p_diloco/core/directions.py)")
     established_after: int = Field(
-        0, ge=0, le=10_000, description="open swarms (4 recommended): an identity counts toward the majority quorum "
-                                        "and a round certificate's signers, and its contributions count with full "
-                                        "weight, once it contributed to this many committed versions of a fragment "
-                                        "(the standing the fragment's state carries; p2p_diloco/core/standing.py): "
-                                        "fresh keys cost nothing, rounds certified by groupmates do. While fewer "
-                                        "than min_group_size established learners train, everyone counts; 0 (the "
-                                        "default) switches the rule off")
+        4, ge=0, le=10_000, description="an identity counts toward the majority quorum and a round certificate's "
+                                        "signers, and its contributions count with full weight, once it "
+                                        "contributed to this many committed versions of a fragment (the standing "
+                                        "the fragment's state carries; p2p_diloco/core/standing.py): fresh keys "
+                                        "cost nothing, rounds certified by groupmates do. While fewer than "
+                                        "min_group_size established learners train, everyone counts; 0 switches "
+                                        "the rule off")
     ban_rounds: int = Field(3, ge=0, le=1000, description="how many of this learner's next rounds it bans a peer "
                                                            "it saw excluded for a bad contribution (a ban counts "
                                                            "when a majority of the group holds it)")

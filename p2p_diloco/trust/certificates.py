@@ -11,7 +11,8 @@ adopts a downloaded state only if its certificate verifies (:class:`Verifier`): 
 others take a state that no quorum committed, nor lie about who contributed to it.
 
 A merge of sibling lineages (split brain) is certified the same way, by the learners that compute it
-(the merge is deterministic): ``contributors`` is empty and any K admitted learners may sign.
+(the merge is deterministic): ``contributors`` is empty and any K admitted learners may sign, one of them
+established (:meth:`Certificate.signers`).
 
 Everything here is pure: formats, signatures, checks (hivemind's RSA types are imported when a
 signature is made or checked, so that the round imports no hivemind). Input from peers is hostile:
@@ -125,9 +126,11 @@ class Certificate:
     def signers(self, admitted: frozenset[str] | None = None, established: frozenset[str] | None = None) -> set[str]:
         """Distinct peers whose signatures verify, who may sign this commit (its contributors; anyone for a
         merge), who are ``admitted`` (None: everyone) and, for a round's commit, ``established`` (None: everyone;
-        :mod:`p2p_diloco.core.standing`). A merge's signers are any admitted peers: after a partition each side has
-        credited only its own members, so neither would take the other's merge (a fork that never healed, in the
-        Compose test's partition)."""
+        :mod:`p2p_diloco.core.standing`). A merge's signers are any admitted peers, as long as one of them is
+        ``established``: after a partition each side has credited only its own members, so a rule of established
+        signers only would keep either side from taking a merge the other side's newcomers signed, while K fresh
+        keys that call a state of their choosing a merge certify nothing without one identity that earned its
+        standing. (Learners of our side that see the sibling compute the same merge and sign it too.)"""
         out = set()
         for s in self.signatures[:MAX_SIGNATURES]:
             peer = s.signer(self.commit)
@@ -138,6 +141,8 @@ class Certificate:
             if self.commit.contributors and peer not in self.commit.contributors:
                 continue
             out.add(peer)
+        if established is not None and not self.commit.contributors and not out & established:
+            return set()
         return out
 
     def to_dict(self) -> dict[str, Any]:

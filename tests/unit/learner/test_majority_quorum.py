@@ -91,7 +91,7 @@ def test_the_base_of_a_majority_is_the_learners_training(monkeypatch):
 def test_the_setting_is_checked_and_joins_the_lineage():
     with pytest.raises(ConfigError, match="quorum"):
         load_learner_config(SMALL, ["averaging.quorum=most"])
-    full_steps = ["outer.short_rounds=full", "outer.long_rounds=full"]
+    full_steps = ["outer.short_rounds=full", "outer.long_rounds=full", "averaging.established_after=0"]
     fixed, most = (load_learner_config(SMALL, o) for o in (["averaging.quorum=fixed", *full_steps], full_steps))
     assert lineage_id(fixed) == "2543e0b8"  # a fixed quorum keeps the id lineages had before the setting
     assert lineage_id(most) != lineage_id(fixed)  # learners that apply different quorums never meet
@@ -183,6 +183,7 @@ def test_a_learners_quorum_counts_peers_established_in_every_fragment():
 
 
 def test_the_established_rule_is_part_of_the_lineage():
-    base = load_learner_config(None)
-    other = load_learner_config(None, overrides=["averaging.established_after=4"])
+    base = load_learner_config(None, overrides=["averaging.established_after=0"])
+    other = load_learner_config(None)  # 4, the default
     assert lineage_id(base) != lineage_id(other)
+    assert lineage_id(other) != lineage_id(load_learner_config(None, overrides=["averaging.established_after=5"]))

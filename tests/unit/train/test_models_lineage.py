@@ -31,10 +31,12 @@ def test_builtin_lineage_is_unchanged():
     # The ids before Hugging Face models existed (commit 0da125a): built-in learners of old and new code meet,
     # under the quorum the old code applied (K alone). Under the default majority quorum (since 2026-12-03) the
     # lineage is another one: learners that apply different quorums never meet; likewise with short rounds scaled
-    # and long rounds decayed (the defaults since 2026-12-05).
+    # and long rounds decayed (the defaults since 2026-12-05), and with identities established after 4 rounds
+    # (the default since 2026-12-07).
     for name, expected in [("small-cpu", "2543e0b8"), ("default", "86b63fdb")]:
         cfg = load_learner_config(ROOT / "peers" / f"{name}.toml",
-                                  ["averaging.quorum=fixed", "outer.short_rounds=full", "outer.long_rounds=full"])
+                                  ["averaging.quorum=fixed", "outer.short_rounds=full", "outer.long_rounds=full",
+                                   "averaging.established_after=0"])
         trainer, _ = build(cfg)
         assert trainer.model_files is None
         assert lineage_id(cfg, trainer.model_files) == lineage_id(cfg) == expected

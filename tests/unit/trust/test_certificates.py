@@ -333,14 +333,20 @@ def test_four_fresh_identities_cannot_certify_a_state_of_their_choosing(swarm_of
     assert "0 of the quorum 2 established signatures" in board.certify(chosen)
 
 
-def test_a_merges_signers_are_not_filtered_by_standing(swarm_of_seven):
-    """After a partition each side credited only its own members: a merge certificate counts any admitted signer,
-    or the two sides would never take each other's merge (the Compose test's fork)."""
+def test_a_merge_needs_one_established_signer(swarm_of_seven):
+    """After a partition each side credited only its own members: a merge certificate counts any admitted signer
+    once one of them is established (the other side's newcomers may sign it: the Compose test's fork), but K fresh
+    keys that call a state of their choosing a merge certify nothing."""
     from p2p_diloco.core import standing as standings
 
-    other_side = swarm_of_seven[3:5]
     merge = Commit("run-lin", 0, 9, SHA, "", ())
-    cert = [Certificate(merge, tuple(Signature.make(k, merge) for _, k in other_side)).to_dict()]
     ours = {p: 6 for p, _ in swarm_of_seven[:3]}
     verifier = Verifier("run-lin", 2, established=lambda f: standings.established(ours, after=4, floor=2))
-    assert verifier.check(0, 9, SHA, cert) == ""
+
+    def cert(signers):
+        return [Certificate(merge, tuple(Signature.make(k, merge) for _, k in signers)).to_dict()]
+
+    fresh = swarm_of_seven[3:7]
+    assert Verifier("run-lin", 2).check(0, 9, SHA, cert(fresh)) == ""  # counted as identities: the hole
+    assert "0 established signer(s)" in verifier.check(0, 9, SHA, cert(fresh))
+    assert verifier.check(0, 9, SHA, cert([swarm_of_seven[0], *fresh[:1]])) == ""  # one established, one newcomer

@@ -9,6 +9,7 @@ any import of hivemind, ``torch.distributed`` or another subpackage).
 - :mod:`.merging`: how contributions are weighted (tokens) and combined.
 - :mod:`.aggregators`: robust aggregators (mean, median, trimmed mean) a reducer applies to its shard.
 - :mod:`.exclusion`: which contributions a round leaves out, decided alike by every member.
+- :mod:`.bans`: the peers this learner caught, banned from its next rounds (a vote in each group).
 - :mod:`.directions`: a count sketch of each outer gradient, and who points away from the others.
 - :mod:`.shard_sketches`: random projections that check what a reducer returned.
 - :mod:`.standing`: how many certified rounds each identity contributed to; who is established (open swarms).

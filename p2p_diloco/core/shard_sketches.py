@@ -25,7 +25,7 @@ reducer is caught when it moves its shard by much more than the codec's own roun
 projections a change of 10 tolerances passes unseen with probability about 4·10⁻⁵.
 
 A member that finds a shard that does not match signs nothing (the round fails for it) and bans that
-shard's reducer from its next rounds, like an excluded contributor (:class:`p2p_diloco.core.exclusion.Bans`):
+shard's reducer from its next rounds, like an excluded contributor (:class:`p2p_diloco.core.bans.Bans`):
 when a majority of a group holds the ban, the reducer is left out, and the others commit without it.
 
 Robust aggregators (median, trimmed mean) are not linear, so projections do not apply. Two checks

@@ -240,7 +240,7 @@ class OuterRound:
 
     def _blame(self, peers: Sequence[str], why: str) -> None:
         """Ban the members a failed commit names from this learner's next rounds (a failure has an owner: the
-        groupmates that ban it too leave it out of their rounds, :class:`p2p_diloco.core.exclusion.Bans`)."""
+        groupmates that ban it too leave it out of their rounds, :class:`p2p_diloco.core.bans.Bans`)."""
         accuse = getattr(self.averaging, "accuse", None)
         for peer in peers:
             self._excluded[peer] = why

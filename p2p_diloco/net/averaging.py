@@ -32,7 +32,8 @@ from hivemind.utils import get_dht_time, get_logger
 from p2p_diloco.config import AveragingConfig, ContributionLimits
 from p2p_diloco.core import directions
 from p2p_diloco.core.averaging_api import AverageResult, RoundFailed, RoundSuperseded, Served, StateProvider
-from p2p_diloco.core.exclusion import Bans, Rules, Verdict
+from p2p_diloco.core.bans import Bans
+from p2p_diloco.core.exclusion import Rules, Verdict
 from p2p_diloco.core.merging import global_norm
 from p2p_diloco.hooks import NO_FAULTS, FaultHooks
 from p2p_diloco.net.averager_process import REFUSED_PARTS, ExcludedFromRound, OuterGradientAverager, RefusedPeers
@@ -209,7 +210,7 @@ class HivemindAveraging:
         the norm of ``deltas``. ``search_seconds``: how long to look for a group at most (None:
         ``round_timeout``), never less than a second past the group's scheduled start. ``standing``: the fragment
         state's (:mod:`p2p_diloco.core.standing`): who counts toward the group's quorum, and each contribution's
-        weight ramp. Every call counts as one round of this learner's :class:`~p2p_diloco.core.exclusion.Bans`.
+        weight ramp. Every call counts as one round of this learner's :class:`~p2p_diloco.core.bans.Bans`.
         """
         with self._lock:  # one round at a time
             # The previous round's exclusions become bans as this round starts, after that round logged them.
@@ -225,7 +226,7 @@ class HivemindAveraging:
             self.accuse(str(peer), why)
 
     def accuse(self, peer: str, why: str) -> None:
-        """Ban ``peer`` from this learner's next rounds (:meth:`p2p_diloco.core.exclusion.Bans.accuse`)."""
+        """Ban ``peer`` from this learner's next rounds (:meth:`p2p_diloco.core.bans.Bans.accuse`)."""
         self._bans.accuse(peer, self.peer_id, why)  # one dict assignment: no lock against a round in flight
 
     def round_quorum(self) -> int:

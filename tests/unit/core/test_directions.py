@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from p2p_diloco.core import directions
-from p2p_diloco.core.exclusion import Bans, Rules, judge
+from p2p_diloco.core.bans import Bans
+from p2p_diloco.core.exclusion import Rules, judge
 
 
 def _honest(base: torch.Tensor, noise: float, seed: int) -> list[torch.Tensor]:

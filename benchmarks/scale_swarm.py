@@ -3,8 +3,9 @@
 For each M in ``--learners`` a bootstrap node and M learners (own processes, own p2pd; the small
 config with inner steps slowed by ``--extra-step-seconds`` so that many fit on few cores) train to
 ``--outer-steps`` versions, all with ``averaging.target_group_size = M``. While they run, the
-resident memory of each learner (RSS summed over its process group: learner, DHT and averager
-processes, p2pd) is sampled every ``--sample-seconds``. Afterwards their audit logs and summaries say:
+memory of each learner (over its process group: learner, DHT and averager processes, p2pd; RSS,
+PSS and USS, see ``memory_by_group``) and the machine's memory in use are sampled every
+``--sample-seconds``. Afterwards their audit logs and summaries say:
 
 - **rounds**: each (fragment, version) some learner committed, with the largest group that committed
   it; *full* when every learner was in that group (no learner is killed here, so all are live);
@@ -42,22 +43,41 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "peers" / "small-cpu.toml")
 
 
-def rss_by_group(pgids: set[int], cpu: dict[int, dict[int, tuple[str, float]]] | None = None) -> dict[int, int]:
-    """Resident bytes of every process in each of the process groups ``pgids``, in one pass over the processes.
+def _kind(proc: psutil.Process, pgid: int) -> str:
+    return "learner" if proc.pid == pgid else "p2pd" if proc.info["name"] == "p2pd" else "forks"
 
-    ``cpu``, if given, gets each process's CPU seconds so far (user + system) by group and pid, with its
-    kind: ``learner`` (the group's leader), ``p2pd``, or ``forks`` (hivemind's DHT and averager processes)."""
-    totals = dict.fromkeys(pgids, 0)
+
+def memory_by_group(pgids: set[int], cpu: dict[int, dict[int, tuple[str, float]]] | None = None
+                    ) -> dict[int, dict[str, int]]:
+    """Memory of every process in each of the process groups ``pgids``, in one pass over the processes.
+
+    Per group, in bytes: ``rss`` (resident, summed: pages the learner's forks share with it copy-on-write
+    and the libraries every learner maps count once per process), ``pss`` (proportional: a page shared by
+    n processes counts 1/n in each, so the groups' PSS add up to what they occupy together), ``uss``
+    (pages of one process alone), and ``pss_learner``, ``pss_forks``, ``pss_p2pd`` by kind of process:
+    ``learner`` (the group's leader), ``p2pd``, or ``forks`` (hivemind's DHT and averager processes).
+    ``cpu``, if given, gets each process's CPU seconds so far (user + system) by group and pid, with its kind."""
+    out = {g: dict.fromkeys(("rss", "pss", "uss", "pss_learner", "pss_forks", "pss_p2pd"), 0) for g in pgids}
     for proc in psutil.process_iter(["pid", "name"]):
         with contextlib.suppress(psutil.Error, ProcessLookupError):
             pgid = os.getpgid(proc.pid)
-            if pgid in totals:
-                totals[pgid] += proc.memory_info().rss
+            if pgid in out:
+                mem = proc.memory_full_info()
+                kind = _kind(proc, pgid)
+                out[pgid]["rss"] += mem.rss
+                out[pgid]["pss"] += mem.pss
+                out[pgid]["uss"] += mem.uss
+                out[pgid][f"pss_{kind}"] += mem.pss
                 if cpu is not None:
                     times = proc.cpu_times()
-                    kind = "learner" if proc.pid == pgid else "p2pd" if proc.info["name"] == "p2pd" else "forks"
                     cpu.setdefault(pgid, {})[proc.pid] = (kind, times.user + times.system)
-    return totals
+    return out
+
+
+def used_bytes() -> int:
+    """The machine's memory in use: total less what the kernel could hand out without swapping."""
+    vm = psutil.virtual_memory()
+    return vm.total - vm.available
 
 
 def cpu_per_learner(cpu: dict[int, dict[int, tuple[str, float]]], learners: int) -> dict[str, float]:
@@ -87,8 +107,10 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     boot, peers = start_bootstrap(work)
     learners: list[Proc] = []
-    rss: list[list[int]] = [[] for _ in range(m)]
+    mem: list[list[dict[str, int]]] = [[] for _ in range(m)]
     cpu: dict[int, dict[int, tuple[str, float]]] = {}
+    used_before = used_bytes()  # the bootstrap node included: one per swarm, a few MB
+    used_peak = used_before
     began = time.monotonic()
     try:
         for i in range(m):
@@ -108,9 +130,10 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
             if time.monotonic() >= next_sample:
                 next_sample += args.sample_seconds
                 alive = {i: p.pid for i, p in enumerate(learners) if p.alive()}
-                sampled = rss_by_group(set(alive.values()), cpu)
+                sampled = memory_by_group(set(alive.values()), cpu)
                 for i, pgid in alive.items():
-                    rss[i].append(sampled[pgid])
+                    mem[i].append(sampled[pgid])
+                used_peak = max(used_peak, used_bytes())
             time.sleep(0.5)
         timed_out = any(p.alive() for p in learners)
     finally:
@@ -142,7 +165,10 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         for rpc, counts in s.get("dht_traffic", {}).items():
             calls = counts["calls_made"] + counts["calls_served"]
             by_rpc[rpc] = by_rpc.get(rpc, 0.0) + calls / len(valid) / per_round
-    peak = [max(r) for r in rss if r]
+    peak = [max(r, key=lambda x: x["pss"]) for r in mem if r]  # each learner's sample of its largest PSS
+
+    def mb(field: str, agg=statistics.fmean) -> float | None:
+        return round(agg(p[field] for p in peak) / 2**20, 1) if peak else None
     split = [k for k, shas in fragment_states(valid).items() if len(shas) > 1]
     return {
         "learners": m, "wall_seconds": round(wall, 1), "timed_out": timed_out,
@@ -155,8 +181,14 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         "round_seconds_mean": statistics.fmean(round_time) if round_time else None,
         "round_seconds_p90": _pct(round_time, 0.9),
         "allreduce_seconds_mean": statistics.fmean(allreduce) if allreduce else None,
-        "rss_mb_per_learner_mean": statistics.fmean(peak) / 2**20 if peak else None,
-        "rss_mb_per_learner_max": max(peak) / 2**20 if peak else None,
+        # At each learner's largest PSS sample: the old RSS sum beside PSS (its share of the machine), by kind.
+        "rss_mb_per_learner_mean": mb("rss"), "rss_mb_per_learner_max": mb("rss", max),
+        "pss_mb_per_learner_mean": mb("pss"), "pss_mb_per_learner_max": mb("pss", max),
+        "uss_mb_per_learner_mean": mb("uss"),
+        "pss_mb_per_learner_by_kind": {k: mb(f"pss_{k}") for k in ("learner", "forks", "p2pd")},
+        # What the swarm added to the machine's memory in use at its peak, per learner (includes page cache
+        # that cannot be dropped, and the shared libraries once for the whole swarm).
+        "used_mb_per_learner": round((used_peak - used_before) / m / 2**20, 1),
         # CPU seconds per learner per version: under-counts processes that ended between two samples.
         "cpu_seconds_per_learner_per_version": {k: round(v / per_round, 2) for k, v in cpu_per_learner(cpu, m).items()},
         "dht_calls_per_learner_per_version": (statistics.fmean(d["calls_made"] + d["calls_served"] for d in dht)
@@ -187,7 +219,7 @@ def main() -> None:
     ap.add_argument("--extra-step-seconds", type=float, default=0.1,
                     help="sleep in every inner step (inner.extra_step_seconds), so that many learners share the cores")
     ap.add_argument("--linger", type=float, default=20.0, help="run.linger_seconds: serve late learners this long")
-    ap.add_argument("--sample-seconds", type=float, default=5.0, help="how often to sample each learner's RSS")
+    ap.add_argument("--sample-seconds", type=float, default=5.0, help="how often to sample each learner's memory")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm size before the rest is stopped")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every learner (repeatable)")
@@ -205,16 +237,19 @@ def main() -> None:
             results.append(r)
             print(json.dumps(r), flush=True)
     print("\n| learners | versions | rounds | with every learner | failed rounds / learner | matchmaking s (mean, p90) "
-          "| round s (mean, p90) | all-reduce s | RSS MB / learner (mean, max) | DHT calls / learner / version "
+          "| round s (mean, p90) | all-reduce s | RSS MB / learner (mean, max) | PSS MB / learner (mean, max) "
+          "| machine MB / learner | DHT calls / learner / version "
           "| DHT KB / learner / version | CPU s / learner / version (learner, DHT and averager, p2pd) "
           "| states at end | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['learners']} | {r['version']} | {r['rounds']} | {_f(r['full_fraction'], '.0%')} | "
               f"{r['rounds_failed_per_learner']:.1f} | {_f(r['matchmaking_seconds_mean'], '.2f')}, "
               f"{_f(r['matchmaking_seconds_p90'], '.2f')} | {_f(r['round_seconds_mean'], '.2f')}, "
               f"{_f(r['round_seconds_p90'], '.2f')} | {_f(r['allreduce_seconds_mean'], '.2f')} | "
               f"{_f(r['rss_mb_per_learner_mean'], '.0f')}, {_f(r['rss_mb_per_learner_max'], '.0f')} | "
+              f"{_f(r['pss_mb_per_learner_mean'], '.0f')}, {_f(r['pss_mb_per_learner_max'], '.0f')} | "
+              f"{r['used_mb_per_learner']:.0f} | "
               f"{_f(r['dht_calls_per_learner_per_version'], '.0f')} | {_f(r['dht_kb_per_learner_per_version'], '.1f')} "
               f"| {', '.join(f'{v:.1f}' for v in r['cpu_seconds_per_learner_per_version'].values())} "
               f"| {r['states_at_end']} | {r['wall_seconds']:.0f} |")

@@ -197,8 +197,10 @@ def _run_learner(args: argparse.Namespace) -> int:
 
 def _learn(cfg: LearnerConfig, faults: FaultPlan, unit: Leader | None) -> int:
     """Train as a learner (of one worker, or rank 0 of a unit) until done or signalled; write the summary."""
+    from p2p_diloco.learner.lean import limit_malloc_arenas
     from p2p_diloco.net import lazy_imports
 
+    limit_malloc_arenas()  # before the learner's threads and forks: docs/scale.md, "What a learner costs"
     lazy_imports.defer_all()  # before hivemind: what it imports and we never use costs every (re)start
     from p2p_diloco.learner.loop import Learner, write_summary  # torch and hivemind: only once the input is good
 

@@ -1,19 +1,14 @@
 """The chaos benchmark's bookkeeping (benchmarks/chaos.py): the kill schedule and the learner-seconds alive."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def chaos():
-    spec = importlib.util.spec_from_file_location("chaos", ROOT / "benchmarks" / "chaos.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("chaos")
 
 
 def test_the_kill_schedule_is_the_same_for_one_seed_and_stays_inside_the_run(chaos):

@@ -1,19 +1,14 @@
 """The no-network benchmark's decoupled arithmetic (benchmarks/diloco_math.py) against its plain DiLoCo."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import ROOT, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def diloco_math():
-    spec = importlib.util.spec_from_file_location("diloco_math", ROOT / "benchmarks" / "diloco_math.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("diloco_math")
 
 
 def _curve(diloco_math, kind, policy=None, *overrides):

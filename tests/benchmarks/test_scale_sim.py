@@ -1,23 +1,16 @@
 """The swarm-size model (benchmarks/scale_sim.py): its formulas, fits, failure exposure and command line."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("scale_sim", ROOT / "benchmarks" / "scale_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_sim"] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scale_sim")
 
 
 @pytest.fixture(scope="module")

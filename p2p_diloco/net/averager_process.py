@@ -11,10 +11,11 @@ side of it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator
 
 import hivemind.averaging.averager
@@ -66,6 +67,22 @@ class RefusedPeers(MatchmakingException):
 
 class ExcludedFromRound(MatchmakingException):
     """The group excluded this learner's own contribution: it takes no part in the all-reduce and does not commit."""
+
+
+async def quiet_if_cancelled(step: Any, running: Awaitable[Any]) -> Any:
+    """Await hivemind's ``_step`` for ``step``; if the learner cancelled the step (the swarm moved on) while
+    its all-reduce finished, end quietly.
+
+    hivemind then sets the result of a cancelled step; the error that raises is concurrent.futures'
+    InvalidStateError, and its handler catches asyncio's, so it surfaced as an ERROR traceback ("Task
+    exception was never retrieved") for an ordinary outcome. Nobody waits for a cancelled step's result;
+    the same error for a step that was not cancelled is hivemind's to report."""
+    try:
+        return await running
+    except concurrent.futures.InvalidStateError:
+        if step.cancelled():
+            return None
+        raise
 
 
 class OuterGradientAverager(StateDownloads, DecentralizedAverager):
@@ -130,7 +147,7 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         if not isinstance(mm.group_key_manager, SignedGroupKeyManager):  # round passes here first
             mm.group_key_manager = SignedGroupKeyManager(mm.group_key_manager, self._owner,
                                                          poll_interval=mm.min_matchmaking_time / POLLS_PER_WINDOW)
-        return await super()._step(**kwargs)
+        return await quiet_if_cancelled(kwargs["step"], super()._step(**kwargs))
 
     async def _declare_for_download_periodically(self):
         # hivemind's loop, declaring under our signed subkey (its own writes our raw peer ID, unsigned)

@@ -122,8 +122,8 @@ def read_whole_messages(component: Any) -> None:
 
 
 # p2pd's garbage collection target (Go's GOGC, percent of live heap allocated before a collection; Go's
-# default 100): 25 kept p2pd at 68 MB instead of 86 in a swarm of 8 for about 0.1 s more CPU per learner
-# per version (docs/scale.md, "What a learner costs"). A GOGC in the learner's environment wins.
+# default 100): 25 kept p2pd at 65-67 MB instead of 77-87 in swarms of 4 and 8, for 0.07-0.19 s more CPU per
+# learner per version (docs/scale.md, "What a learner costs"). A GOGC in the learner's environment wins.
 P2PD_GOGC = "25"
 
 

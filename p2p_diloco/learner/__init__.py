@@ -13,6 +13,7 @@
 - :mod:`.progress`: publishing this learner's progress record, reading the swarm's.
 - :mod:`.healing`: a learner whose training diverges takes the global state back and trains on.
 - :mod:`.head_start`: work done on a thread while the DHT joins the swarm.
+- :mod:`.lean`: keeping the learner's processes small (malloc arenas; p2pd's GOGC is in net/dht.py).
 - :mod:`.metrics`: Prometheus metrics and the resource fields of a progress record.
 - :mod:`.audit`: the audit log, one hash-chained, signed JSON line per event.
 - :mod:`.unit`: a learner unit of several torchrun workers (rank 0 leads, the others follow).

@@ -20,10 +20,18 @@ def test_partitioned_halves_merge_back_into_one_lineage(swarm):
     wait_until(lambda: maddrs_b.exists() and maddrs_b.read_text().strip(), 90, boot_b, "second bootstrap")
     side_b = maddrs_b.read_text().split()[0]
     target = 10
-    a = [swarm.start_learner(i, max_outer_steps=target, peers=side_a) for i in (0, 1)]
+    # The two sides never shared a history: with the Sybil rule on (the default), each side's certificates are
+    # signed by keys the other never saw contribute, exactly what a lineage of fresh keys looks like, so they
+    # merge only while neither side has established members (before version 4): a race with the bridge's
+    # start-up that this test lost under load. A partition after a shared history heals with the rule on (the
+    # Compose test); here the rule is off, so the merge itself is tested whenever the sides meet
+    # (docs/resilience.md, "Split brain").
+    rule_off = ["--set", "averaging.established_after=0"]
+    a = [swarm.start_learner(i, max_outer_steps=target, peers=side_a, extra=rule_off) for i in (0, 1)]
     # One learner of side b is a client (as behind NAT): it cannot serve its side's lineage, only take a's.
-    b = [swarm.start_learner(2, max_outer_steps=target, peers=side_b),
-         swarm.start_learner(3, max_outer_steps=target, peers=side_b, extra=["--set", "network.client_mode=true"])]
+    b = [swarm.start_learner(2, max_outer_steps=target, peers=side_b, extra=rule_off),
+         swarm.start_learner(3, max_outer_steps=target, peers=side_b,
+                             extra=[*rule_off, "--set", "network.client_mode=true"])]
     wait_until(lambda: all(committed_version(p) >= 2 for p in [*a, *b]), 200, None, "both sides at version 2")
     # Heal: a DHT node that knows both sides joins, and the two DHTs become one.
     bridge = swarm.spawn("bridge", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers",

@@ -2,8 +2,9 @@
 
 A learner is four processes: itself, hivemind's DHT and averager processes (forks of it, sharing its pages
 copy-on-write) and p2pd. Measured with ``benchmarks/scale_swarm.py`` (docs/scale.md, "What a learner
-costs"), their proportional share of the machine's memory is about 370 MB, most of it torch's own import
-(about 140 MB of anonymous memory, shared with the forks) and p2pd (60 MB idle, 75-90 MB in a swarm).
+costs"), their proportional share of the machine's memory was about 370 MB, and is about 340 MB with the two
+knobs below; most of it is torch's own import (about 140 MB of anonymous memory, shared with the forks) and
+p2pd (60 MB idle, 65-67 MB in a swarm with the knob, 77-87 MB without).
 
 Two knobs, each measured side by side there:
 

@@ -1,6 +1,5 @@
 """The chaos benchmark's bookkeeping (benchmarks/chaos.py): the kill schedule and the learner-seconds alive."""
 
-
 import pytest
 
 from tests.benchmarks import load_benchmark

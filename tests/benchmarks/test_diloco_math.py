@@ -1,6 +1,5 @@
 """The no-network benchmark's decoupled arithmetic (benchmarks/diloco_math.py) against its plain DiLoCo."""
 
-
 import pytest
 
 from tests.benchmarks import ROOT, load_benchmark

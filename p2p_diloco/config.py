@@ -258,6 +258,10 @@ class NetworkConfig(_Section):
     startup_timeout: float = Field(60.0, gt=0.0, description="seconds p2pd may take to start")
     record_ttl: float = Field(30.0, gt=1.0, le=600.0,
                               description="lifetime of this learner's progress record in the DHT")
+    replica_reads: bool = Field(
+        True, description="answer reads of the swarm's records, declarations, sketches and signatures from this "
+                          "learner's own DHT replica of the key when it holds one and has been up record_ttl "
+                          "seconds, instead of asking every node near the key (p2p_diloco/net/replica_reads.py)")
     client_mode: Literal["auto"] | bool = Field(
         "auto", description="auto: probe whether peers can dial this learner and run as a client if they cannot; "
                             "true: always a client (sends its part, never reduces or serves state); false: never")

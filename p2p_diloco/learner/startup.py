@@ -294,7 +294,8 @@ def _start_dht(net: NetworkConfig, identity: Path, admission: Admission, key: Id
     return start_dht(initial_peers=net.initial_peers, host_maddrs=net.host_maddrs,
                      announce_maddrs=net.announce_maddrs, identity_path=identity,
                      startup_timeout=net.startup_timeout, admission=admission, signing=key,
-                     use_relay=net.use_relay, use_auto_relay=net.use_auto_relay, wait=wait, client_mode=client_mode)
+                     use_relay=net.use_relay, use_auto_relay=net.use_auto_relay, wait=wait, client_mode=client_mode,
+                     replica_reads_after=net.record_ttl if net.replica_reads else None)
 
 
 def _build_local(cfg: LearnerConfig, faults: FaultHooks, tokenizer: Tokenizer, admission: Admission, ckpt_dir: Path,

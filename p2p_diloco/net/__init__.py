@@ -12,6 +12,7 @@
 - :mod:`.progress_records`: the progress records learners publish to the DHT (msgpack).
 - :mod:`.reach`: can other peers dial this learner? If not, it takes part as a client.
 - :mod:`.record_quota`: how many records one identity may keep on this learner's DHT node.
+- :mod:`.replica_reads`: reads a DHT node answers from its own replica of the key, when it holds one.
 - :mod:`.traffic`: RPC traffic of a learner's DHT process.
 - :mod:`.message_caps`, :mod:`.strong_tasks`, :mod:`.lazy_imports`: patches to hivemind's runtime.
 - :mod:`.hivemind_surface`: every private hivemind method this package overrides, with the hivemind

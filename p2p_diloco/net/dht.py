@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import hivemind
 from p2p_diloco.errors import LearnerError
 from p2p_diloco.net import record_quota
 from p2p_diloco.net.message_caps import cap_stream_messages
+from p2p_diloco.net.replica_reads import FULL_READ_EVERY, replica_first_node
 from p2p_diloco.net.strong_tasks import in_loops_made_by
 from p2p_diloco.net.traffic import counting_p2p
 from p2p_diloco.trust.admission import Admission, gated_p2p
@@ -30,6 +32,7 @@ from p2p_diloco.trust.signed_records import CheckedOnce, IdentityKey, OwnedRecor
 
 _PR_SET_PDEATHSIG = 1
 _ALIVE_CHECK_SECONDS = 1.0
+_KEYS_COUNTED = 256  # keys whose reads LinkedDHT counts (to make every few a full read): the most recent
 
 
 class DHTGone(RuntimeError):
@@ -134,10 +137,13 @@ class LinkedDHT(hivemind.DHT):
 
     def __init__(self, *args: Any, admission: Admission | None = None, owner: bytes = b"",
                  signing: IdentityKey | None = None, records_per_owner: int = record_quota.MAX_RECORDS_PER_OWNER,
-                 **kwargs: Any):
+                 replica_reads_after: float | None = None, **kwargs: Any):
         self.admission = admission or Admission()
         self.records_per_owner = records_per_owner  # how many records one other identity may keep on this node
         self.owner = owner  # the subkey of this peer's own signed records (its public key marker)
+        # reads with replica_first=True answered from this node's own replica after this many seconds up (None:
+        # never; p2p_diloco/net/replica_reads.py)
+        self.replica_reads_after = replica_reads_after
         self.signing = signing  # the identity key itself: the round's gathered metadata is signed with it
         super().__init__(*args, **kwargs)
         serialize_requests(self)
@@ -154,6 +160,8 @@ class LinkedDHT(hivemind.DHT):
         # counts its RPCs (p2p_diloco/net/traffic.py) and, in a private swarm, is gated.
         hivemind.dht.node.P2P = counting_p2p(gated_p2p(self.admission))
         hivemind.dht.node.DHTProtocol = _quota_protocol(self.owner, self.records_per_owner)
+        if self.replica_reads_after is not None:
+            hivemind.dht.dht.DHTNode = replica_first_node(self.replica_reads_after)
         os.environ.setdefault("GOGC", P2PD_GOGC)  # hivemind starts p2pd with a copy of this environment
         super().run()
 
@@ -183,8 +191,22 @@ class LinkedDHT(hivemind.DHT):
                 if not self.is_alive():
                     raise DHTGone("the DHT process has exited") from None
 
-    def get(self, *args, **kwargs):
-        return self._serialized(super().get, args, kwargs)
+    def get(self, key, *args, replica_first: bool = False, **kwargs):
+        """hivemind's ``get``; ``replica_first``: answered from this node's own replica of the key where it holds
+        one, but for every :data:`~p2p_diloco.net.replica_reads.FULL_READ_EVERY`-th read of the same key, if this
+        DHT was started with replica reads (p2p_diloco/net/replica_reads.py)."""
+        if replica_first and self.replica_reads_after is not None and self._replica_turn(key):
+            kwargs["replica_first"] = True
+        return self._serialized(super().get, (key, *args), kwargs)
+
+    def _replica_turn(self, key: Any) -> bool:
+        reads = self.__dict__.setdefault("_replica_reads", OrderedDict())
+        with self.__dict__.setdefault("_replica_lock", threading.Lock()):
+            n = reads.pop(key, 0) + 1
+            reads[key] = n
+            while len(reads) > _KEYS_COUNTED:
+                reads.popitem(last=False)
+        return n % FULL_READ_EVERY != 0
 
     def store(self, *args, **kwargs):
         return self._serialized(super().store, args, kwargs)
@@ -223,6 +245,7 @@ def start_dht(
     use_relay: bool = True,
     use_auto_relay: bool = False,
     records_per_owner: int = record_quota.MAX_RECORDS_PER_OWNER,
+    replica_reads_after: float | None = None,
 ) -> LinkedDHT:
     """Start a :class:`LinkedDHT` process and join the swarm through ``initial_peers`` (none: a new one).
 
@@ -235,7 +258,8 @@ def start_dht(
     ``signing``: the identity key that signs this peer's records (hivemind's ``RSASignatureValidator``);
     with it, records of others are validated too: every record must be signed by its owner (:class:`OwnedRecords`).
     ``records_per_owner``: how many live records another identity may keep on this node
-    (p2p_diloco/net/record_quota.py).
+    (p2p_diloco/net/record_quota.py). ``replica_reads_after``: reads made with ``replica_first=True`` are answered
+    from this node's own replica of the key once it has been up this long (p2p_diloco/net/replica_reads.py).
     """
     validators: list[Any] = []
     owner = b""
@@ -259,6 +283,7 @@ def start_dht(
             use_relay=use_relay,
             use_auto_relay=use_auto_relay,
             records_per_owner=records_per_owner,
+            replica_reads_after=replica_reads_after,
         )
     except Exception as e:  # noqa: BLE001 - hivemind raises many types for the same user mistake
         raise _start_error(what, e) from None

@@ -3,7 +3,7 @@
 hivemind's public API cannot give one all-reduce result per version, all-or-nothing rounds or checked
 wire parts, so :mod:`.allreduce`, :mod:`.averager_process`, :mod:`.downloads`, :mod:`.message_caps` and
 :mod:`.patient_matchmaking` override private methods (and :mod:`.dht` and :mod:`.record_quota` the storage a DHT
-node keeps records in). Each entry names the upstream method, the
+node keeps records in, :mod:`.replica_reads` a node's read of a key). Each entry names the upstream method, the
 module that overrides it, and a fingerprint of the upstream source as it was read and checked
 against (``PINNED_VERSION``, the version ``constraints.txt`` installs). ``tests/unit/net/
 test_hivemind_surface.py`` fails when the installed hivemind differs from it: read the changed upstream
@@ -68,4 +68,10 @@ OVERRIDES = (
     # request_timeout becomes a property; this is the method that reads it, twice
     Override("hivemind.averaging.matchmaking:Matchmaking._request_join_group", "patient_matchmaking",
              "df823040a94d1c1d", replaced_by="request_timeout"),
+    # A read from the node's own replica goes through hivemind's merge and decoding of a search's candidates.
+    Override("hivemind.dht.node:DHTNode.get_many_by_id", "replica_reads", "8eb1ef57b1be5745"),
+    Override("hivemind.dht.node:_SearchState.add_candidate", "replica_reads", "c232a1ec3c42f981",
+             replaced_by="get_many_by_id"),
+    Override("hivemind.dht.node:_SearchState.finish_search", "replica_reads", "1f4dfb2bb5de81c4",
+             replaced_by="get_many_by_id"),
 )

@@ -207,7 +207,9 @@ class ProgressBoard:
     def read(self) -> dict[str, ProgressRecord]:
         """Live records by peer ID (our own included); malformed ones are logged and dropped."""
         try:
-            found = self.dht.get(self.key, latest=True)
+            # Every record is stored again each record_ttl / 3: this node's replica, where it holds one, misses
+            # a store that failed to reach it for that long at most (p2p_diloco/net/replica_reads.py).
+            found = self.dht.get(self.key, latest=True, replica_first=True)
         except Exception as e:  # noqa: BLE001
             logger.warning(f"could not read progress records: {e!r}")
             return {}

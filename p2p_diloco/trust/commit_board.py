@@ -165,7 +165,7 @@ class CommitBoard:
 
     def _raw_entries(self, key: str) -> list[tuple[Any, bytes]]:
         try:
-            found = self.dht.get(key, latest=True)
+            found = self.dht.get(key, latest=True, replica_first=True)  # polled: see p2p_diloco/net/replica_reads.py
         except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
             logger.debug(f"could not read {key}: {e!r}")
             return []

@@ -94,7 +94,7 @@ class SignedGroupKeyManager(GroupKeyManager):
         if wait > 0:
             await asyncio.sleep(wait)
         self._last_read = time.monotonic()
-        result = await self.dht.get(group_key, latest=True, return_future=True)
+        result = await self.dht.get(group_key, latest=True, return_future=True, replica_first=True)
         if result is None:
             return []
         found = []

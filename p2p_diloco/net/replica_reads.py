@@ -1,0 +1,83 @@
+"""Reads that a DHT node answers from its own replica of the key, when it holds one.
+
+A key's value lives on the ``num_replicas`` nodes nearest to it (XOR distance of the IDs), and every store
+is sent to them. hivemind's ``get(key, latest=True)``, the read this project makes of the swarm's progress
+records, matchmaking declarations, reducer sketches and commit signatures, asks every node near the key
+for it and merges their answers; each answer carries the whole dictionary, every entry with its owner
+marker and signature (about 750 bytes). In the README's demo (3 learners, a bootstrap node) those reads
+were about half of a learner's DHT bytes, and each asked nodes holding exactly what the reader's own node
+held: with fewer than ``num_replicas`` (5) nodes, every store reaches every node.
+
+A read made with ``replica_first=True`` (:class:`ReplicaFirstNode`, the DHT process's node) is answered
+from this node's own storage, with no RPC, when
+
+- the node is a replica of the key: fewer than ``num_replicas`` of the nodes it knows are nearer to the key
+  than itself (then a storer that knows the same nodes sends it every store; a client-mode node stores
+  nothing for others and never is);
+- it has been up at least ``after`` seconds (the records' TTL): records stored before it joined never reached
+  it, and every record that lives longer is stored again within that time (progress records every TTL / 3;
+  declarations, sketches and signatures are made for the round at hand);
+- its storage holds the key.
+
+Otherwise the read is hivemind's. A read from one replica can miss an entry whose store to this node failed
+while it reached others: the callers poll, and :class:`~p2p_diloco.net.dht.LinkedDHT` makes every
+:data:`FULL_READ_EVERY`-th read of a key a full one, so a miss costs a few polls, not a round.
+Larger swarms, where a node replicates few keys, read as before; records that do not grow with the swarm are
+the other half of the work (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hivemind.dht.node import DHTNode, _SearchState
+from hivemind.dht.routing import DHTID
+
+# One read of a key in this many is a full one, whatever the caller asked (see the module doc).
+FULL_READ_EVERY = 4
+
+
+def holds_replica(node: DHTNode, key_id: DHTID) -> bool:
+    """Whether ``node`` is one of the ``num_replicas`` nodes nearest to ``key_id`` among those it knows."""
+    if node.protocol.client_mode:
+        return False
+    ours = key_id.xor_distance(node.node_id)
+    nearest = node.protocol.routing_table.get_nearest_neighbors(key_id, node.num_replicas, exclude=node.node_id)
+    return sum(key_id.xor_distance(other) < ours for other, _ in nearest) < node.num_replicas
+
+
+def replica_first_node(after: float) -> type[DHTNode]:
+    """hivemind's ``DHTNode`` whose ``get_many_by_id(..., replica_first=True)`` answers from the node's own
+    replica once the node has been up ``after`` seconds (module doc); ``replica_first=False`` (the default)
+    is hivemind's read."""
+
+    class ReplicaFirstNode(DHTNode):
+        @classmethod
+        async def create(cls, *args: Any, **kwargs: Any) -> DHTNode:
+            node = await super().create(*args, **kwargs)
+            node.__dict__["_up_since"] = time.monotonic()
+            return node
+
+        async def get_many_by_id(self, key_ids: Any, sufficient_expiration_time: float | None = None, *args: Any,
+                                 replica_first: bool = False, **kwargs: Any) -> Any:
+            key_ids = list(key_ids)
+            if replica_first and not kwargs.get("_is_refresh") and self._replica_holds(key_ids):
+                found = {}
+                for key_id in key_ids:  # hivemind's own merge and decoding of a search's candidates
+                    state = _SearchState(key_id, float("inf"), serializer=self.protocol.serializer,
+                                         record_validator=self.protocol.record_validator)
+                    state.add_candidate(self.protocol.storage.get(key_id), source_node_id=self.node_id)
+                    state.finish_search()
+                    found[key_id] = state.future
+                if kwargs.get("return_futures"):
+                    return found
+                return {key_id: await future for key_id, future in found.items()}
+            return await super().get_many_by_id(key_ids, sufficient_expiration_time, *args, **kwargs)
+
+        def _replica_holds(self, key_ids: list[DHTID]) -> bool:
+            if time.monotonic() - self.__dict__.get("_up_since", time.monotonic()) < after:
+                return False
+            return all(self.protocol.storage.get(k) is not None and holds_replica(self, k) for k in key_ids)
+
+    return ReplicaFirstNode

@@ -4,9 +4,10 @@ A key's value lives on the ``num_replicas`` nodes nearest to it (XOR distance of
 is sent to them. hivemind's ``get(key, latest=True)``, the read this project makes of the swarm's progress
 records, matchmaking declarations, reducer sketches and commit signatures, asks every node near the key
 for it and merges their answers; each answer carries the whole dictionary, every entry with its owner
-marker and signature (about 750 bytes). In the README's demo (3 learners, a bootstrap node) those reads
-were about half of a learner's DHT bytes, and each asked nodes holding exactly what the reader's own node
-held: with fewer than ``num_replicas`` (5) nodes, every store reaches every node.
+marker and signature (about 750 bytes). In the README's demo (3 learners, a bootstrap node) each of those
+reads asked nodes holding exactly what the reader's own node held: with fewer than ``num_replicas`` (5) nodes,
+every store reaches every node. Answered from the node's own replica, a learner's DHT bytes there fell by
+about 30% (benchmarks/results/control_plane_2026-12-07_ed0d679.md).
 
 A read made with ``replica_first=True`` (:class:`ReplicaFirstNode`, the DHT process's node) is answered
 from this node's own storage, with no RPC, when

@@ -364,7 +364,7 @@ class HivemindAveraging:
         searches (value True until the group forms or the search expires). Entries are peers' input:
         anything malformed is skipped.
         """
-        found = self.dht.get(group_key(self.prefix, fragment, version), latest=True, replica_first=True)
+        found = self.dht.get(group_key(self.prefix, fragment, version), latest=True)
         if found is None:
             return 0
         ours, now, count = self.dht.peer_id, get_dht_time(), 0

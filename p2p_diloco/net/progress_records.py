@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from p2p_diloco.core.outer import is_sha256
 from p2p_diloco.net.reach import RECORD_VALUES
-from p2p_diloco.trust.signed_records import MAX_RECORD_SECONDS, peer_id_of_owner
+from p2p_diloco.trust.signed_records import MAX_RECORD_SECONDS, peer_id_of_owner, replica_first
 
 logger = get_logger(__name__)
 
@@ -209,7 +209,7 @@ class ProgressBoard:
         try:
             # Every record is stored again each record_ttl / 3: this node's replica, where it holds one, misses
             # a store that failed to reach it for that long at most (p2p_diloco/net/replica_reads.py).
-            found = self.dht.get(self.key, latest=True, replica_first=True)
+            found = self.dht.get(self.key, latest=True, **replica_first(self.dht))
         except Exception as e:  # noqa: BLE001
             logger.warning(f"could not read progress records: {e!r}")
             return {}

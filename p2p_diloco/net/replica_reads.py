@@ -24,7 +24,12 @@ Otherwise the read is hivemind's. A read from one replica can miss an entry whos
 while it reached others: the callers poll, and :class:`~p2p_diloco.net.dht.LinkedDHT` makes every
 :data:`FULL_READ_EVERY`-th read of a key a full one, so a miss costs a few polls, not a round.
 Larger swarms, where a node replicates few keys, read as before; records that do not grow with the swarm are
-the other half of the work (docs/scale.md).
+the other half of the work (docs/scale.md). Where the rule can be wrong: a client-mode storer nearer to the key
+than a server takes one of its own ``num_replicas`` slots (hivemind counts the storer as a candidate), so with 5
+or more servers the farthest of them may believe it replicates a key the client's stores skip; and a node that
+became a replica when a nearer one left lacks the older entries until they are stored again. Both cost the
+reads of those entries until the next full read. Only :class:`~p2p_diloco.net.dht.LinkedDHT` knows the
+keyword (``p2p_diloco.trust.signed_records.replica_first`` gives it to no other DHT).
 """
 
 from __future__ import annotations

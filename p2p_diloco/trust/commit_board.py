@@ -26,7 +26,7 @@ import msgpack
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.trust.certificates import Certificate, Commit, Signature, needed_signers
-from p2p_diloco.trust.signed_records import IdentityKey, peer_id_of_owner
+from p2p_diloco.trust.signed_records import IdentityKey, peer_id_of_owner, replica_first
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class CommitBoard:
 
     def _raw_entries(self, key: str) -> list[tuple[Any, bytes]]:
         try:
-            found = self.dht.get(key, latest=True, replica_first=True)  # polled: see p2p_diloco/net/replica_reads.py
+            found = self.dht.get(key, latest=True, **replica_first(self.dht))  # polled: p2p_diloco/net/replica_reads.py
         except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
             logger.debug(f"could not read {key}: {e!r}")
             return []

@@ -32,7 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import DHTExpiration, get_logger
 
 from p2p_diloco.trust.admission import Admission
-from p2p_diloco.trust.signed_records import peer_id_of_owner
+from p2p_diloco.trust.signed_records import peer_id_of_owner, replica_first
 
 logger = get_logger(__name__)
 
@@ -94,7 +94,7 @@ class SignedGroupKeyManager(GroupKeyManager):
         if wait > 0:
             await asyncio.sleep(wait)
         self._last_read = time.monotonic()
-        result = await self.dht.get(group_key, latest=True, return_future=True, replica_first=True)
+        result = await self.dht.get(group_key, latest=True, return_future=True, **replica_first(self.dht))
         if result is None:
             return []
         found = []

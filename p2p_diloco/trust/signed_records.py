@@ -29,6 +29,7 @@ import re
 import struct
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -173,3 +174,9 @@ class OwnedRecords(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
 
+
+def replica_first(dht: Any) -> dict[str, bool]:
+    """The keyword with which a reader of signed records asks the DHT for its own replica of the key first
+    (p2p_diloco/net/replica_reads.py): only of a LinkedDHT started with replica reads; hivemind's own DHT
+    does not know it and would fail the read."""
+    return {"replica_first": True} if getattr(dht, "replica_reads_after", None) is not None else {}

@@ -36,7 +36,7 @@ def test_a_malformed_record_is_logged_once_per_peer_and_reason_not_at_every_read
 
     marker = owner_marker(RSASignatureValidator())
     stored = {marker: SimpleNamespace(value=b"\xc1")}
-    dht = SimpleNamespace(get=lambda key, latest, replica_first=False: SimpleNamespace(value=stored))
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=stored))
     board = ProgressBoard(dht, "lin", 60.0, b"")  # type: ignore[arg-type]
     clock = [1000.0]
     monkeypatch.setattr(progress_records.time, "monotonic", lambda: clock[0])
@@ -68,7 +68,7 @@ def test_in_a_private_swarm_records_under_keys_off_the_allow_list_do_not_count(c
     member, fresh = (owner_marker(RSASignatureValidator(RSAPrivateKey())) for _ in range(2))
     record = ProgressRecord(version=3, sha256="a" * 64, tokens=99, status="training")
     stored = {m: SimpleNamespace(value=record.encode()) for m in (member, fresh)}
-    dht = SimpleNamespace(get=lambda key, latest, replica_first=False: SimpleNamespace(value=stored))
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=stored))
     admission = Admission(frozenset({str(peer_id_of_owner(member))}))
     board = ProgressBoard(dht, "lin", 60.0, b"", members=admission.lists)  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.net.progress_records"):

@@ -6,6 +6,7 @@ from hivemind.dht.routing import DHTID
 
 from p2p_diloco.net.dht import LinkedDHT
 from p2p_diloco.net.replica_reads import FULL_READ_EVERY, holds_replica
+from p2p_diloco.trust.signed_records import replica_first
 
 
 def _node(me: DHTID, others: list[DHTID], replicas: int = 2, client: bool = False):
@@ -32,3 +33,9 @@ def test_every_few_reads_of_a_key_are_full_ones():
     turns = [LinkedDHT._replica_turn(dht, "a") for _ in range(2 * FULL_READ_EVERY)]
     assert turns == ([True] * (FULL_READ_EVERY - 1) + [False]) * 2
     assert LinkedDHT._replica_turn(dht, "b")  # counted per key
+
+
+def test_only_a_dht_started_with_replica_reads_is_asked_for_its_replica():
+    assert replica_first(SimpleNamespace()) == {}  # hivemind's own DHT: the keyword would fail its read
+    assert replica_first(SimpleNamespace(replica_reads_after=None)) == {}
+    assert replica_first(SimpleNamespace(replica_reads_after=15.0)) == {"replica_first": True}

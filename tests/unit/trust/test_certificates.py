@@ -122,7 +122,7 @@ class _Dht:
         self.shared.setdefault(key, {})[subkey] = SimpleNamespace(value=value)
         return True
 
-    def get(self, key, latest=True, replica_first=False):
+    def get(self, key, latest=True):
         found = self.shared.get(key)
         return None if found is None else SimpleNamespace(value=dict(found))
 

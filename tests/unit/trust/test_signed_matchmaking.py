@@ -11,7 +11,7 @@ class _Dht:
     def __init__(self):
         self.reads: list[float] = []
 
-    async def get(self, key, latest, return_future, replica_first=False):
+    async def get(self, key, latest, return_future):
         self.reads.append(time.monotonic())
         return None
 

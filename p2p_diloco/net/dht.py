@@ -144,6 +144,8 @@ class LinkedDHT(hivemind.DHT):
         # reads with replica_first=True answered from this node's own replica after this many seconds up (None:
         # never; p2p_diloco/net/replica_reads.py)
         self.replica_reads_after = replica_reads_after
+        self._replica_reads: OrderedDict[Any, int] = OrderedDict()  # reads of the most recent keys, by key
+        self._replica_lock = threading.Lock()
         self.signing = signing  # the identity key itself: the round's gathered metadata is signed with it
         super().__init__(*args, **kwargs)
         serialize_requests(self)
@@ -200,12 +202,11 @@ class LinkedDHT(hivemind.DHT):
         return self._serialized(super().get, (key, *args), kwargs)
 
     def _replica_turn(self, key: Any) -> bool:
-        reads = self.__dict__.setdefault("_replica_reads", OrderedDict())
-        with self.__dict__.setdefault("_replica_lock", threading.Lock()):
-            n = reads.pop(key, 0) + 1
-            reads[key] = n
-            while len(reads) > _KEYS_COUNTED:
-                reads.popitem(last=False)
+        with self._replica_lock:
+            n = self._replica_reads.pop(key, 0) + 1
+            self._replica_reads[key] = n
+            while len(self._replica_reads) > _KEYS_COUNTED:
+                self._replica_reads.popitem(last=False)
         return n % FULL_READ_EVERY != 0
 
     def store(self, *args, **kwargs):

@@ -62,28 +62,33 @@ def replica_first_node(after: float) -> type[DHTNode]:
         @classmethod
         async def create(cls, *args: Any, **kwargs: Any) -> DHTNode:
             node = await super().create(*args, **kwargs)
-            node.__dict__["_up_since"] = time.monotonic()
+            node.up_since = time.monotonic()
             return node
 
         async def get_many_by_id(self, key_ids: Any, sufficient_expiration_time: float | None = None, *args: Any,
                                  replica_first: bool = False, **kwargs: Any) -> Any:
             key_ids = list(key_ids)
-            if replica_first and not kwargs.get("_is_refresh") and self._replica_holds(key_ids):
-                found = {}
-                for key_id in key_ids:  # hivemind's own merge and decoding of a search's candidates
-                    state = _SearchState(key_id, float("inf"), serializer=self.protocol.serializer,
-                                         record_validator=self.protocol.record_validator)
-                    state.add_candidate(self.protocol.storage.get(key_id), source_node_id=self.node_id)
-                    state.finish_search()
-                    found[key_id] = state.future
-                if kwargs.get("return_futures"):
-                    return found
-                return {key_id: await future for key_id, future in found.items()}
-            return await super().get_many_by_id(key_ids, sufficient_expiration_time, *args, **kwargs)
+            held = self._held(key_ids) if replica_first and not kwargs.get("_is_refresh") else None
+            if held is None:
+                return await super().get_many_by_id(key_ids, sufficient_expiration_time, *args, **kwargs)
+            found = {}
+            for key_id, value in held.items():  # hivemind's own merge and decoding of a search's candidates
+                state = _SearchState(key_id, float("inf"), serializer=self.protocol.serializer,
+                                     record_validator=self.protocol.record_validator)
+                state.add_candidate(value, source_node_id=self.node_id)
+                state.finish_search()
+                found[key_id] = state.future
+            if kwargs.get("return_futures"):
+                return found
+            return {key_id: await future for key_id, future in found.items()}
 
-        def _replica_holds(self, key_ids: list[DHTID]) -> bool:
-            if time.monotonic() - self.__dict__.get("_up_since", time.monotonic()) < after:
-                return False
-            return all(self.protocol.storage.get(k) is not None and holds_replica(self, k) for k in key_ids)
+        def _held(self, key_ids: list[DHTID]) -> dict[DHTID, Any] | None:
+            """Each key's value in this node's storage, if the replica answers for all of them (module doc)."""
+            if time.monotonic() - self.up_since < after:
+                return None
+            held = {k: self.protocol.storage.get(k) for k in key_ids}
+            if all(v is not None and holds_replica(self, k) for k, v in held.items()):
+                return held
+            return None
 
     return ReplicaFirstNode

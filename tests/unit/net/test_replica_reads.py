@@ -1,5 +1,7 @@
 """Which keys a node holds a replica of (p2p_diloco/net/replica_reads.py), and which reads of a key are full."""
 
+import threading
+from collections import OrderedDict
 from types import SimpleNamespace
 
 from hivemind.dht.routing import DHTID
@@ -29,7 +31,7 @@ def test_a_node_holds_a_replica_of_the_keys_it_is_among_the_nearest_to():
 
 
 def test_every_few_reads_of_a_key_are_full_ones():
-    dht = SimpleNamespace()
+    dht = SimpleNamespace(_replica_reads=OrderedDict(), _replica_lock=threading.Lock())
     turns = [LinkedDHT._replica_turn(dht, "a") for _ in range(2 * FULL_READ_EVERY)]
     assert turns == ([True] * (FULL_READ_EVERY - 1) + [False]) * 2
     assert LinkedDHT._replica_turn(dht, "b")  # counted per key

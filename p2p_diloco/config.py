@@ -154,6 +154,11 @@ class AveragingConfig(_Section):
                                 "minority side of a partition then waits. fixed: K alone (groups smaller than "
                                 "half the swarm may then commit one version twice, healed later by a merge)")
     matchmaking_time: float = Field(4.0, gt=0.0, description="min seconds a leader waits for groupmates")
+    early_close: bool = Field(
+        True, description="a leader starts the all-reduce as soon as its group holds every learner the swarm's "
+                          "records show training, instead of waiting out matchmaking_time (p2p_diloco/net/"
+                          "early_close.py); false: hivemind's rule alone (a full target_group_size or the window's "
+                          "end)")
     request_timeout: float = Field(2.0, gt=0.0)
     round_timeout: float = Field(15.0, gt=0.0, description="give up finding a group after this long")
     allreduce_timeout: float = Field(

@@ -7,6 +7,7 @@
   fragment per round exactly; it runs in its own process.
 - :mod:`.allreduce`: the butterfly all-reduce whose result is bit-identical on every member.
 - :mod:`.patient_matchmaking`: how long a member waits for its matchmaking leader.
+- :mod:`.early_close`: a leader starts once everyone training has joined its group, not at its window's end.
 - :mod:`.codecs`: the wire formats of :mod:`p2p_diloco.core.quantization` as hivemind compressions.
 - :mod:`.downloads`: serving and fetching the global state between averagers.
 - :mod:`.progress_records`: the progress records learners publish to the DHT (msgpack).

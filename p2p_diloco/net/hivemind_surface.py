@@ -68,6 +68,11 @@ OVERRIDES = (
     # request_timeout becomes a property; this is the method that reads it, twice
     Override("hivemind.averaging.matchmaking:Matchmaking._request_join_group", "patient_matchmaking",
              "df823040a94d1c1d", replaced_by="request_timeout"),
+    # A leader also starts once everyone training is in its group: hivemind's handler is wrapped, and the group is
+    # assembled under the preconditions leader_assemble_group asserts (both locks held, no group assembled yet).
+    Override("hivemind.averaging.matchmaking:Matchmaking.rpc_join_group", "early_close", "0d6120e412849439"),
+    Override("hivemind.averaging.matchmaking:Matchmaking.leader_assemble_group", "early_close", "516cc5ff7fb369f2",
+             replaced_by="_close_if_everyone_joined"),
     # A read from the node's own replica goes through hivemind's merge and decoding of a search's candidates.
     Override("hivemind.dht.node:DHTNode.get_many_by_id", "replica_reads", "8eb1ef57b1be5745"),
     Override("hivemind.dht.node:_SearchState.add_candidate", "replica_reads", "c232a1ec3c42f981",

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from hivemind.averaging.matchmaking import Matchmaking
 
+from p2p_diloco.net.early_close import EarlyClose
 
-class PatientMatchmaking(Matchmaking):
-    """hivemind's :class:`Matchmaking`, waiting up to ``go_timeout`` for a leader's go (when that is longer than
-    ``request_timeout``) and ``request_timeout`` for a leader's answer."""
+
+class PatientMatchmaking(EarlyClose):
+    """hivemind's :class:`Matchmaking` (with :class:`EarlyClose`'s leader), waiting up to ``go_timeout`` for a
+    leader's go (when that is longer than ``request_timeout``) and ``request_timeout`` for a leader's answer."""
 
     go_timeout: float = 0.0
 
@@ -45,5 +47,6 @@ class PatientMatchmaking(Matchmaking):
             answer = matchmaking.__dict__.pop("request_timeout")
             matchmaking.__class__ = cls
             matchmaking.request_timeout = answer
+            matchmaking._closing = set()
         assert isinstance(matchmaking, cls)
         return matchmaking

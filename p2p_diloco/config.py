@@ -156,9 +156,9 @@ class AveragingConfig(_Section):
     matchmaking_time: float = Field(4.0, gt=0.0, description="min seconds a leader waits for groupmates")
     early_close: bool = Field(
         True, description="a leader starts the all-reduce as soon as its group holds every learner the swarm's "
-                          "records show training, instead of waiting out matchmaking_time (p2p_diloco/net/"
-                          "early_close.py); false: hivemind's rule alone (a full target_group_size or the window's "
-                          "end)")
+                          "records show training and every peer searching under the round's key, instead of waiting "
+                          "out matchmaking_time (p2p_diloco/net/early_close.py); false: hivemind's rule alone (a "
+                          "full target_group_size or the window's end)")
     request_timeout: float = Field(2.0, gt=0.0)
     round_timeout: float = Field(15.0, gt=0.0, description="give up finding a group after this long")
     allreduce_timeout: float = Field(

@@ -108,10 +108,10 @@ class Progress:
         counted, training = self.counting(self.established()), self._training_now()
         return len(training if counted is None else training & counted)
 
-    def everyone_training(self) -> int:
-        """How many learners the records show training, ourselves included, established or not: everyone a round
-        can hold (a leader that holds them all starts at once, p2p_diloco/net/early_close.py)."""
-        return len(self._training_now())
+    def everyone_training(self) -> frozenset[str]:
+        """The learners the records show training, ourselves included, established or not: everyone a round can
+        hold (a leader that holds them all starts at once, p2p_diloco/net/early_close.py)."""
+        return frozenset(self._training_now())
 
     def counting(self, established: frozenset[str] | None) -> frozenset[str] | None:
         """``established`` (the peers a standing establishes), or None (everyone counts) while fewer than

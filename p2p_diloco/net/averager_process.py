@@ -213,17 +213,18 @@ class OuterGradientAverager(StateDownloads, DecentralizedAverager):
         self._outer_pipe.send((method, [], dict(**kwargs, future=future)))
         return future.result() if wait else future
 
-    def set_min_group_size(self, size: int, everyone: int = 0, wait: bool = True):
+    def set_min_group_size(self, size: int, everyone: Iterable[str] = (), wait: bool = True):
         """Matchmake with quorum ``size`` from the next round on (a majority quorum follows the swarm's size);
         a group then closes before its window ends only once it has at least that many members, and either
-        holds the target size or, with ``everyone`` > 0, that many members (:mod:`p2p_diloco.net.early_close`)."""
-        return self._in_averager_process("_set_min_group_size", wait, size=int(size), everyone=int(everyone))
+        holds the target size or every peer of ``everyone`` (peer IDs; :mod:`p2p_diloco.net.early_close`)."""
+        return self._in_averager_process("_set_min_group_size", wait, size=int(size),
+                                         everyone=sorted(str(p) for p in everyone))
 
-    async def _set_min_group_size(self, size: int, everyone: int, future: MPFuture) -> None:
+    async def _set_min_group_size(self, size: int, everyone: list[str], future: MPFuture) -> None:
         def apply() -> None:
             quorum = max(self._base_quorum, size)
             self._matchmaking.min_group_size = quorum
-            PatientMatchmaking.adopt(self._matchmaking).close_at = max(0, everyone)
+            PatientMatchmaking.adopt(self._matchmaking).expected = frozenset(everyone)
             target = max(self._base_target, quorum)
             # hivemind's key manager draws each member's next group bits from `target` buckets: it must
             # hold the largest group (our group bits are set again before every round anyway).

@@ -106,9 +106,9 @@ class HivemindAveraging:
     newest_version: Callable[[int], int] | None = None
     # With ``cfg.quorum == "majority"``: how many learners the swarm's records show training (us included).
     training_learners: Callable[[], int] | None = None
-    # How many learners the swarm's records show training (us included), established or not: everyone a round can
-    # hold; a leader holding that many starts at once (``cfg.early_close``, p2p_diloco/net/early_close.py).
-    everyone_training: Callable[[], int] | None = None
+    # The learners the swarm's records show training (peer IDs, us included), established or not: everyone a round
+    # can hold; a leader holding them all starts at once (``cfg.early_close``, p2p_diloco/net/early_close.py).
+    everyone_training: Callable[[], frozenset[str]] | None = None
     # How many established learners are training (0: everyone counts; p2p_diloco/core/standing.py), gathered
     established_training: Callable[[], int] | None = None
     fragments: Sequence[Sequence[int]] | None = None
@@ -133,7 +133,7 @@ class HivemindAveraging:
     _bans: Bans = field(init=False)
     _last_verdict: Verdict | None = field(init=False, default=None)
     _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
-    _close_at: int = field(init=False, default=0)  # and the group size at which its leader starts (0: never early)
+    _close_at: frozenset[str] = field(init=False, default=frozenset())  # and who its leader starts with at once
     _allreduces: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=ALLREDUCES_KEPT))
     _go_timeout: float = field(init=False, default=0.0)  # the averager process's wait for a leader's go
     _standing: dict[str, int] | None = field(init=False, default=None)  # what the averager process judges with
@@ -244,7 +244,8 @@ class HivemindAveraging:
         """Matchmake with this round's quorum (a leader with fewer followers disbands rather than starts) and,
         with ``cfg.early_close``, start once everyone training is in the group."""
         quorum = self.round_quorum()  # K under a fixed quorum, as the averager was started with
-        close_at = self.everyone_training() if self.cfg.early_close and self.everyone_training is not None else 0
+        close_at = (self.everyone_training() if self.cfg.early_close and self.everyone_training is not None
+                    else frozenset())
         if (quorum, close_at) != (self._quorum, self._close_at):
             self._averager.set_min_group_size(quorum, close_at)
             self._quorum, self._close_at = quorum, close_at

@@ -4,18 +4,19 @@ hivemind's leader starts the all-reduce when its group is full (``target_group_s
 accepts) or when its matchmaking window ends. A swarm smaller than the target never fills a group, so every
 round waited its whole window although the last learner that could come had come: in the README's demo
 (3 learners, a 3 s window, no overlap) a round took 3.4-3.8 s while its all-reduce took 0.2 s, and the
-learners computed 34% of the time (benchmarks/results/early_close_2026-12-07_*.md: 0.8-1.6 s and 65-70%).
+learners computed 30-34% of the time; with this rule 0.8-1.6 s and 53-59%
+(benchmarks/results/round_latency_2026-12-07_07591cf.md).
 
-:class:`EarlyClose` keeps hivemind's target and window and adds one more reason to start: the group holds
-``close_at`` members, the number of learners the swarm's records show training (this learner included;
-the learner sets it before every round with its quorum, ``averager_process.set_min_group_size``), and every
-peer declared in the DHT as searching under the round's key is among them. The records lag a learner that has
-just started (a first try of this rule, which counted on the records alone and also capped the group at their
-count, left such a learner out of its own rounds): one that already searches is waited for; one that has not
-reached its round yet misses it and meets the next, as one that arrives after a window does. A learner the
-records show but that does not come (banned here, out of phase, cut off) costs the whole window, as before.
-The majority quorum is unchanged: a group that closes early holds everyone this learner sees, more than the
-majority it needs.
+:class:`EarlyClose` keeps hivemind's target and window and adds one more reason to start: the group holds every
+learner the swarm's records show training (this learner included; the learner sends their peer IDs before
+every round with its quorum, ``averager_process.set_min_group_size``), and every peer declared in the DHT as
+searching under the round's key (a read that shows this leader's own declaration) is among them. The records
+lag a learner that has just started (a first try of this rule, which counted on the records alone and also
+capped the group at their count, left such a learner out of its own rounds): one that already searches is
+waited for; one that has not reached its round yet misses it and meets the next, as one that arrives after a
+window does. A learner the records show but that does not come (banned here, out of phase, cut off) costs
+the whole window, as before. The majority quorum is unchanged: a group that closes early holds everyone this
+learner sees, more than the majority it needs.
 """
 
 from __future__ import annotations
@@ -33,18 +34,22 @@ logger = get_logger(__name__)
 
 
 class EarlyClose(Matchmaking):
-    """hivemind's :class:`Matchmaking`, whose leader also starts once ``close_at`` members (itself included) are
-    in its group. ``close_at = 0``: hivemind's rule alone."""
+    """hivemind's :class:`Matchmaking`, whose leader also starts once every peer of ``expected`` (the learners the
+    records show training, as peer ID strings) and every peer searching under the round's key is in its group.
+    ``expected`` empty: hivemind's rule alone."""
 
-    close_at: int = 0
-    _closing: set[asyncio.Task]  # the close checks in flight, held so that the event loop does not collect them
+    expected: frozenset[str] = frozenset()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._closing: set[asyncio.Task] = set()  # the close checks in flight, held so that the loop keeps them
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         # hivemind's handler, whose ``finally`` (the follower leaves current_followers) must run when ours ends
         async with contextlib.aclosing(super().rpc_join_group(request, context)) as replies:
             async for reply in replies:
-                if reply.code == averaging_pb2.ACCEPTED and self.close_at > 0:
+                if reply.code == averaging_pb2.ACCEPTED and self.expected:
                     # hivemind holds lock_request_join_group until this reply is sent: close after it
                     task = asyncio.create_task(self._close_if_everyone_joined())
                     self._closing.add(task)
@@ -57,22 +62,28 @@ class EarlyClose(Matchmaking):
         # The records lag a learner that has just started: one searching at this round's key is waited for too.
         key = self.group_key_manager.current_key
         try:
-            searching = await self.group_key_manager.get_averagers(key, only_active=True)
+            searching = [peer for peer, _ in await self.group_key_manager.get_averagers(key, only_active=True)]
         except Exception as e:  # the DHT is the peers' input and may fail: the window decides, as hivemind has it
             logger.debug(f"early close: reading who searches at {key} failed: {e!r}")
             return
         async with self.lock_request_join_group:
             if (key == self.group_key_manager.current_key and self.everyone_joined()
-                    and self.holds_every_searcher(peer for peer, _ in searching)):
-                await self.leader_assemble_group()
+                    and self.holds_every_searcher(searching)):
+                try:
+                    await self.leader_assemble_group()
+                except Exception as e:  # hivemind's own paths assemble again at the window's end, and fail there
+                    logger.warning(f"early close: assembling the group failed: {e!r}")
 
     def holds_every_searcher(self, searching: Iterable[PeerID]) -> bool:
-        """Whether every peer declared as searching under this round's key is this leader or in its group."""
-        return all(peer == self.peer_id or peer in self.current_followers for peer in searching)
+        """Whether the read of the round's key is whole enough to trust (it shows this leader's own declaration)
+        and every peer it shows searching is this leader or in its group."""
+        searching = list(searching)
+        return self.peer_id in searching and all(
+            peer == self.peer_id or peer in self.current_followers for peer in searching)
 
     def everyone_joined(self) -> bool:
-        """Whether this leader, still gathering, holds ``close_at`` members and at least its quorum."""
-        members = len(self.current_followers) + 1
-        return (self.close_at > 0 and members >= max(self.close_at, self.min_group_size)
+        """Whether this leader, still gathering, holds every expected learner and at least its quorum."""
+        members = {str(peer) for peer in self.current_followers} | {str(self.peer_id)}
+        return (bool(self.expected) and self.expected <= members and len(members) >= self.min_group_size
                 and self.is_looking_for_group and not self.client_mode and self.current_leader is None
                 and not self.assembled_group.done())

@@ -47,6 +47,6 @@ class PatientMatchmaking(EarlyClose):
             answer = matchmaking.__dict__.pop("request_timeout")
             matchmaking.__class__ = cls
             matchmaking.request_timeout = answer
-            matchmaking._closing = set()
+            matchmaking._closing = set()  # what EarlyClose.__init__ makes (hivemind built this one)
         assert isinstance(matchmaking, cls)
         return matchmaking

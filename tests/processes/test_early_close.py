@@ -12,8 +12,8 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.net.averaging import HivemindAveraging
 
 
-def _round(dhts, window: float, everyone: int, prefix: str) -> list[float]:
-    """One round of three averagers told that ``everyone`` learners train; each one's matchmaking seconds."""
+def _round(dhts, window: float, everyone: frozenset[str], prefix: str) -> list[float]:
+    """One round of three averagers told that ``everyone`` (peer IDs) train; each one's matchmaking seconds."""
     cfg = AveragingConfig(min_group_size=2, target_group_size=16, matchmaking_time=window, request_timeout=1.0,
                           round_timeout=window + 20.0)
     seconds: list[list[float]] = [[] for _ in dhts]
@@ -41,9 +41,11 @@ def test_a_group_of_everyone_starts_before_its_window_ends():
     dhts = [hivemind.DHT(start=True)]
     dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(2)]
     try:
-        early = _round(dhts, window=20.0, everyone=3, prefix="early")
+        ours = frozenset(str(d.peer_id) for d in dhts)
+        early = _round(dhts, window=20.0, everyone=ours, prefix="early")
         assert max(early) < 10.0, early  # everyone was in: nobody waited the 20 s window
-        waited = _round(dhts, window=4.0, everyone=4, prefix="waited")  # a fourth is counted and never comes
+        absent = ours | {"QmAbsentLearnerThatTheRecordsStillShowTraining"}  # counted, and never comes
+        waited = _round(dhts, window=4.0, everyone=absent, prefix="waited")
         assert min(waited) >= 3.0, waited  # the leader's window (4 s, from the step's start), as hivemind has it
     finally:
         for d in dhts:

@@ -385,6 +385,9 @@ class HivemindAveraging:
         self._superseded_by = None
         version = next_version - 1
         while not control.done():
+            if not control.began_allreduce:
+                # Before the first wait too: a group that closes once everyone is in forms within a poll.
+                self.faults.fire("matchmaking", next_version)
             try:
                 control.result(timeout=self.poll_seconds)
             except TimeoutError:
@@ -393,7 +396,6 @@ class HivemindAveraging:
                 return
             if control.done() or control.began_allreduce:
                 return
-            self.faults.fire("matchmaking", next_version)
             if self.should_stop() or self.gone() is not None:  # a matchmaker without its DHT never ends
                 control.cancel()
                 return

@@ -376,6 +376,7 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _L
         dht, [t for s in state.states for t in s.params], cfg.averaging, prefix=averaging_prefix(lineage),
         state_provider=state.served, newest_version=progress.newest_live_version, should_stop=leaving,
         training_learners=progress.training_learners, everyone_training=progress.everyone_training,
+        early_close_after=cfg.network.record_ttl,
         established_training=progress.established_training,
         fragments=parameter_indices([len(s.params) for s in state.states]),
         codecs=[cfg.codec_for(f.index) for f in state.fragments], faults=faults, client_mode=client,

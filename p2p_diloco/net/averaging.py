@@ -109,6 +109,9 @@ class HivemindAveraging:
     # The learners the swarm's records show training (peer IDs, us included), established or not: everyone a round
     # can hold; a leader holding them all starts at once (``cfg.early_close``, p2p_diloco/net/early_close.py).
     everyone_training: Callable[[], frozenset[str]] | None = None
+    # Seconds after start before a leader closes its group early: the records of learners that started about when
+    # we did reach us within the records' lifetime (network.record_ttl); until then the window decides.
+    early_close_after: float = 0.0
     # How many established learners are training (0: everyone counts; p2p_diloco/core/standing.py), gathered
     established_training: Callable[[], int] | None = None
     fragments: Sequence[Sequence[int]] | None = None
@@ -134,6 +137,7 @@ class HivemindAveraging:
     _last_verdict: Verdict | None = field(init=False, default=None)
     _quorum: int = field(init=False, default=0)  # the quorum the averager process matchmakes with
     _close_at: frozenset[str] = field(init=False, default=frozenset())  # and who its leader starts with at once
+    _started: float = field(init=False, default_factory=time.monotonic)
     _allreduces: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=ALLREDUCES_KEPT))
     _go_timeout: float = field(init=False, default=0.0)  # the averager process's wait for a leader's go
     _standing: dict[str, int] | None = field(init=False, default=None)  # what the averager process judges with
@@ -244,8 +248,9 @@ class HivemindAveraging:
         """Matchmake with this round's quorum (a leader with fewer followers disbands rather than starts) and,
         with ``cfg.early_close``, start once everyone training is in the group."""
         quorum = self.round_quorum()  # K under a fixed quorum, as the averager was started with
+        settled = time.monotonic() - self._started >= self.early_close_after
         close_at = (self.everyone_training() if self.cfg.early_close and self.everyone_training is not None
-                    else frozenset())
+                    and settled else frozenset())
         if (quorum, close_at) != (self._quorum, self._close_at):
             self._averager.set_min_group_size(quorum, close_at)
             self._quorum, self._close_at = quorum, close_at

@@ -14,9 +14,13 @@ searching under the round's key (a read that shows this leader's own declaration
 lag a learner that has just started (a first try of this rule, which counted on the records alone and also
 capped the group at their count, left such a learner out of its own rounds): one that already searches is
 waited for; one that has not reached its round yet misses it and meets the next, as one that arrives after a
-window does. A learner the records show but that does not come (banned here, out of phase, cut off) costs
-the whole window, as before. The majority quorum is unchanged: a group that closes early holds everyone this
-learner sees, more than the majority it needs.
+window does. For the same reason a learner's first ``network.record_ttl`` seconds use the window alone
+(``HivemindAveraging.early_close_after``): learners started a few seconds apart do not see each other's
+records yet (CI of 8cbc5b5: two learners closed their first rounds as a pair while the third, started 5 s
+later, was declaring itself, and it took part in 5 fragment rounds instead of 8). A learner the records
+show but that does not come (banned here, out of phase, cut off) costs the whole window, as before. The
+majority quorum is unchanged: a group that closes early holds everyone this learner sees, more than the
+majority it needs.
 """
 
 from __future__ import annotations

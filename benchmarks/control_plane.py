@@ -43,6 +43,8 @@ def run(work: Path, learners: int, versions: int, settings: list[str]) -> list[d
             "dht_bytes_per_version": round(dht / max(1, int(s["version"]))),
             "finds_made": traffic.get("DHTProtocol.rpc_find", {}).get("calls_made", 0),
             "stores_made": traffic.get("DHTProtocol.rpc_store", {}).get("calls_made", 0),
+            "dht_bytes_by_key": {kind: t["bytes_out"] + t["bytes_in"]
+                                 for kind, t in s.get("dht_traffic_by_key", {}).items()},
             "version": s["version"], "last_eval_loss": s["last_eval_loss"],
         })
     return out

@@ -165,6 +165,11 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         for rpc, counts in s.get("dht_traffic", {}).items():
             calls = counts["calls_made"] + counts["calls_served"]
             by_rpc[rpc] = by_rpc.get(rpc, 0.0) + calls / len(valid) / per_round
+    by_key: dict[str, float] = {}  # KB of finds and stores per learner per version, by kind of key
+    for s in valid:
+        for kind, counts in s.get("dht_traffic_by_key", {}).items():
+            kb = (counts["bytes_out"] + counts["bytes_in"]) / 1024
+            by_key[kind] = by_key.get(kind, 0.0) + kb / len(valid) / per_round
     peak = [max(r, key=lambda x: x["pss"]) for r in mem if r]  # each learner's sample of its largest PSS
 
     def mb(field: str, agg=statistics.fmean) -> float | None:
@@ -198,6 +203,7 @@ def run_size(m: int, args: argparse.Namespace, work: Path) -> dict:
         "dht_kb_per_learner_per_version": (statistics.fmean(d["bytes_out"] + d["bytes_in"] for d in dht)
                                            / per_round / 1024) if dht else None,
         "dht_calls_per_learner_per_version_by_rpc": {k: round(v, 1) for k, v in sorted(by_rpc.items())},
+        "dht_kb_per_learner_per_version_by_key": {k: round(v, 1) for k, v in sorted(by_key.items())},
         "lineage_splits": [f"fragment {f} version {v}" for f, v in sorted(split)],
         "states_at_end": len({s["global_state_sha256"] for s in valid}),
         "final_eval_loss": [round(s["last_eval_loss"], 4) for s in valid],

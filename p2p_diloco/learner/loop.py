@@ -47,7 +47,7 @@ from p2p_diloco.learner.parting import Leaving, hand_over, linger
 from p2p_diloco.learner.startup import LocalData, Parts, set_up
 from p2p_diloco.learner.state import LearnerState
 from p2p_diloco.learner.unit.rank0 import Solo, UnitHooks
-from p2p_diloco.net.traffic import read_traffic
+from p2p_diloco.net.traffic import read_key_traffic, read_traffic
 from p2p_diloco.train.checkpoint import FORMAT
 from p2p_diloco.train.trainer import Trainer
 
@@ -331,13 +331,15 @@ class Learner:
             "versions": [s.version for s in states], "global_tokens": min(s.tokens for s in states),
             "fragment_sha256": [s.sha256() for s in states], "global_state_sha256": p.state.whole_sha256(),
             **p.trainer.report(c.tokens, c.train_seconds),  # device, precision, parameters, tokens/s, MFU
-            "dht_traffic": self._dht_traffic(),
+            "dht_traffic": self._dht_traffic(read_traffic),
+            "dht_traffic_by_key": self._dht_traffic(read_key_traffic),  # finds and stores by kind of key
         }
 
-    def _dht_traffic(self) -> dict[str, dict[str, int]]:
-        """The DHT process's RPC counts (p2p_diloco/net/traffic.py); ``{}`` if it cannot answer."""
+    def _dht_traffic(self, read: Callable[[Any], dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+        """The DHT process's RPC counts, by RPC or by kind of key (p2p_diloco/net/traffic.py); ``{}`` if it
+        cannot answer."""
         try:
-            return read_traffic(self.parts.dht)
+            return read(self.parts.dht)
         except Exception as e:  # noqa: BLE001 - a summary without them beats no summary
             logger.warning(f"could not read the DHT's traffic for the summary: {type(e).__name__}: {e}")
             return {}

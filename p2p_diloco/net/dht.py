@@ -26,7 +26,7 @@ from p2p_diloco.net import record_quota
 from p2p_diloco.net.message_caps import cap_stream_messages
 from p2p_diloco.net.replica_reads import FULL_READ_EVERY, replica_first_node
 from p2p_diloco.net.strong_tasks import in_loops_made_by
-from p2p_diloco.net.traffic import counting_p2p
+from p2p_diloco.net.traffic import counting_p2p, keyed_node
 from p2p_diloco.trust.admission import Admission, gated_p2p
 from p2p_diloco.trust.signed_records import CheckedOnce, IdentityKey, OwnedRecords, owner_marker
 
@@ -162,8 +162,10 @@ class LinkedDHT(hivemind.DHT):
         # counts its RPCs (p2p_diloco/net/traffic.py) and, in a private swarm, is gated.
         hivemind.dht.node.P2P = counting_p2p(gated_p2p(self.admission))
         hivemind.dht.node.DHTProtocol = _quota_protocol(self.owner, self.records_per_owner)
+        node = hivemind.dht.node.DHTNode
         if self.replica_reads_after is not None:
-            hivemind.dht.dht.DHTNode = replica_first_node(self.replica_reads_after)
+            node = replica_first_node(self.replica_reads_after)
+        hivemind.dht.dht.DHTNode = keyed_node(node)  # its RPCs counted by kind of key too
         os.environ.setdefault("GOGC", P2PD_GOGC)  # hivemind starts p2pd with a copy of this environment
         super().run()
 

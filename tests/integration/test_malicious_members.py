@@ -48,6 +48,7 @@ def test_honest_learners_are_not_fooled_by_a_lying_member(swarm, lie):
     assert refusals, "\n".join(t[-3000:] for t in texts) + liar.text()[-2000:]
 
 
+@pytest.mark.slow  # a user's option (the default is the mean, the test above); the median's reduce: test_reducer_check
 @pytest.mark.timeout(300)
 def test_a_robust_aggregator_outvotes_a_sign_flipping_member_that_claims_a_huge_weight(swarm):
     """Sign-flipped outer gradients have an ordinary norm (robust merging's exclusion cannot see them),

@@ -74,7 +74,9 @@ def test_the_group_leaves_out_a_bad_contribution_and_the_rest_get_one_average():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("poison", ["nan", "scale 1e6"])
+# nan runs in the slow tier: the same exclusion path at the learner level as scale 1e6, 43 s of CI; a NaN outer
+# gradient's exclusion itself is checked above on real averagers.
+@pytest.mark.parametrize("poison", [pytest.param("nan", marks=pytest.mark.slow), "scale 1e6"])
 def test_honest_learners_train_on_past_a_poisoned_one(swarm, poison):
     swarm.start_bootstrap()
     honest = [swarm.start_learner(i, max_outer_steps=TARGET) for i in range(3)]

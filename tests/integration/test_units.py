@@ -176,7 +176,8 @@ def _checkpointed_version(directory: Path) -> int:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+# ddp's dead worker runs in the slow tier: the same restart as fsdp's (which also reshards), 27 s of CI.
+@pytest.mark.parametrize("sharding", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_a_dead_worker_ends_the_unit_and_torchrun_brings_it_back(swarm, units, sharding):
     unit = start_unit(swarm, units, "unit", shard=1, max_outer_steps=4, torchrun=["--max-restarts", "1"],
                       extra=["--set", "averaging.min_group_size=1", "--resume", "--set", f"run.sharding={sharding}"])

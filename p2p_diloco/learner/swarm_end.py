@@ -30,16 +30,25 @@ class SwarmEnd:
     # stop_at_eval_loss: level with finished peers that left, nobody else training (no round can commit)
     left_alone: bool = False
     gone: bool = False  # the others reached the target and left while we were behind: stop too
+    # The newest version at which a peer left at (or past) the run's target (0: none seen). Remembered: a peer's
+    # record saying "left" expires record_ttl after it was stored, and a learner reads the records for this at its
+    # round slots. scale_swarm.py at 16 learners: one learner left out of the last round read them 44 s later,
+    # when the others were leaving; its download failed, their records expired before its next slot, and it
+    # trained alone for the benchmark's 900 s.
+    finished_at: int = 0
 
     def __post_init__(self) -> None:
         self.done_at = self.done_at or [0] * self.fragments
 
     def observe(self, records: Mapping[str, ProgressRecord], live: Mapping[str, ProgressRecord],
-                versions: Sequence[int], behind: bool, others_training: Callable[[], set[str]]) -> None:
+                versions: Sequence[int], behind: bool, others_training: Callable[[], set[str]],
+                whole: bool = True) -> None:
         """Note what one read of the others' ``records`` says (``live``: those that have not left; ``versions``:
-        ours per fragment; ``behind``: some peer holds newer state, so the end is not ours to judge yet).
+        ours per fragment; ``behind``: some peer holds newer state, so the end is not ours to judge yet; ``whole``:
+        the read showed our own record too, so that an empty ``live`` means nobody, not a failed lookup).
 
-        Raises :class:`LearnerError` if the swarm finished the run without us and nobody serves its state.
+        Raises :class:`LearnerError` if the swarm finished the run without us and nobody serves its state: seen
+        in this read, or in an earlier one when this whole read shows nobody live.
         """
         self.left_alone = False
         for r in live.values():
@@ -50,9 +59,11 @@ class SwarmEnd:
             return
         target = self.cfg.run.max_outer_steps
         finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
-        if finished and target is not None and min(versions, default=0) < target and not live:
+        self.finished_at = max([self.finished_at, *finished])
+        if ((finished or (self.finished_at and whole)) and target is not None and min(versions, default=0) < target
+                and not live):
             raise LearnerError(
-                f"the swarm already finished at version {max(finished)} and no running peer serves that "
+                f"the swarm already finished at version {self.finished_at} and no running peer serves that "
                 f"state; start this learner with a higher --max-outer-steps or with other learners"
             )
         # Ahead on any fragment, not by the oldest one: at [8, 8] against finished peers' [8, 9] we are behind

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -388,11 +389,41 @@ def _start_averaging(cfg: LearnerConfig, dht: LinkedDHT, lineage: str, local: _L
     return averaging
 
 
+# The words of a start that reached none of the initial peers: p2pd's (none could be dialled: not up yet, say) and
+# hivemind's (none answered the DHT's first pings in time, hivemind.dht.node's DHTNode.create)
+NO_PEER_ANSWERED = ("failed to connect to bootstrap peers", "none of the initial_peers responded")
+JOIN_ATTEMPTS = 4  # starts of the DHT while no initial peer answers (docs/configuration.md, network.initial_peers)
+JOIN_BACKOFF = 5.0  # seconds before the second start; twice that before the third, ...; jittered by ±50%
+
+
+def join_dht(dhts: list[LinkedDHT], start: Callable[[], LinkedDHT], attempts: int = JOIN_ATTEMPTS,
+             backoff: float = JOIN_BACKOFF, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait for ``dhts[-1]`` to join the swarm; while none of the initial peers answers its pings, start the DHT
+    again (``start``, appended to ``dhts``) after a jittered backoff, ``attempts`` starts in all, then raise the
+    last one-line error. A bootstrap node swamped by many joins at once answers late: 24 of 32 learners started
+    together on 2 cores stopped with that error (scale_swarm.py, 2026-12-08); one not up yet cannot be dialled
+    until it is."""
+    for attempt in range(1, attempts + 1):
+        try:
+            wait_until_joined(dhts[-1])
+            return
+        except LearnerError as e:
+            if attempt == attempts or not any(words in str(e) for words in NO_PEER_ANSWERED):
+                raise
+            wait = backoff * attempt * random.uniform(0.5, 1.5)
+            logger.warning(f"no initial peer answered (start {attempt} of {attempts} of the DHT); starting it again "
+                           f"in {wait:.0f} s")
+        with contextlib.suppress(Exception):
+            dhts[-1].shutdown()  # its process has given up already
+        sleep(wait)
+        dhts.append(start())
+
+
 def _reach(net: NetworkConfig, dhts: list[LinkedDHT], start: Callable[..., LinkedDHT]) -> tuple[LinkedDHT, Reach]:
     """Whether peers can dial us (p2p_diloco.net.reach), decided once the DHT has joined; a learner they cannot
     dial starts its DHT again in client mode (``dhts`` gets the new one). One log line says which."""
+    join_dht(dhts, functools.partial(start, wait=False, client_mode=net.client_mode is True))
     dht = dhts[-1]
-    wait_until_joined(dht)
     if net.client_mode is True:
         found = Reach(CLIENT, "network.client_mode = true")
     elif net.client_mode is False:

@@ -401,7 +401,7 @@ def join_dht(dhts: list[LinkedDHT], start: Callable[[], LinkedDHT], attempts: in
     """Wait for ``dhts[-1]`` to join the swarm; while none of the initial peers answers its pings, start the DHT
     again (``start``, appended to ``dhts``) after a jittered backoff, ``attempts`` starts in all, then raise the
     last one-line error. A bootstrap node swamped by many joins at once answers late: 24 of 32 learners started
-    together on 2 cores stopped with that error (scale_swarm.py, 2026-12-08); one not up yet cannot be dialled
+    together on 2 cores stopped with that error (scale_swarm.py); one not up yet cannot be dialled
     until it is."""
     for attempt in range(1, attempts + 1):
         try:

@@ -133,8 +133,7 @@ class CatchUp:
         records = self.progress.others(fresh)
         live = {p: r for p, r in records.items() if r.status != "left"}
         behind = self._behind(live)
-        whole = self.state.peer_id in self.progress.records(fresh=False)  # the read others() made, ours in it
-        self.end.observe(records, live, self.state.versions, bool(behind.fragments), self._others_training, whole)
+        self.end.observe(records, live, self.state.versions, bool(behind.fragments), self._others_training)
         return behind
 
     def _behind(self, live: dict[str, ProgressRecord]) -> Behind:

@@ -9,6 +9,7 @@ loop reads it to decide whether training is over.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,37 +31,46 @@ class SwarmEnd:
     # stop_at_eval_loss: level with finished peers that left, nobody else training (no round can commit)
     left_alone: bool = False
     gone: bool = False  # the others reached the target and left while we were behind: stop too
-    # The newest version at which a peer left at (or past) the run's target (0: none seen). Remembered: a peer's
-    # record saying "left" expires record_ttl after it was stored, and a learner reads the records for this at its
-    # round slots. scale_swarm.py at 16 learners: one learner left out of the last round read them 44 s later,
-    # when the others were leaving; its download failed, their records expired before its next slot, and it
-    # trained alone for the benchmark's 900 s.
+    # The newest version at which a peer was done or left at (or past) the run's target (0: none seen).
+    # Remembered: a peer's record saying "left" expires record_ttl after it was stored, and a learner reads the
+    # records for this at its round slots. scale_swarm.py at 16 learners: one learner left out of the last round
+    # read them 44 s later, while the others were done and leaving; its download failed, their records expired
+    # before its next slot, and it trained alone for the benchmark's 900 s.
     finished_at: int = 0
+    _nobody_since: float | None = field(default=None, repr=False)  # monotonic: since when reads show nobody live
 
     def __post_init__(self) -> None:
         self.done_at = self.done_at or [0] * self.fragments
 
     def observe(self, records: Mapping[str, ProgressRecord], live: Mapping[str, ProgressRecord],
                 versions: Sequence[int], behind: bool, others_training: Callable[[], set[str]],
-                whole: bool = True) -> None:
+                now: float | None = None) -> None:
         """Note what one read of the others' ``records`` says (``live``: those that have not left; ``versions``:
-        ours per fragment; ``behind``: some peer holds newer state, so the end is not ours to judge yet; ``whole``:
-        the read showed our own record too, so that an empty ``live`` means nobody, not a failed lookup).
+        ours per fragment; ``behind``: some peer holds newer state, so the end is not ours to judge yet; ``now``:
+        monotonic seconds, the clock's by default).
 
-        Raises :class:`LearnerError` if the swarm finished the run without us and nobody serves its state: seen
-        in this read, or in an earlier one when this whole read shows nobody live.
+        Raises :class:`LearnerError` if the swarm finished the run without us and nobody serves its state: a peer
+        left at the target and nobody is live in this read, or peers were seen done or gone at the target earlier
+        and every read for 2 · ``network.record_ttl`` since has shown nobody live (one read can miss live peers'
+        records, and a failed lookup shows nobody).
         """
+        now = time.monotonic() if now is None else now
         self.left_alone = False
+        target = self.cfg.run.max_outer_steps
         for r in live.values():
             if r.status == "done":
                 self.saw_finished = True
                 self.done_at = [max(v, r.fragment_version(f)) for f, v in enumerate(self.done_at)]
+        if target:  # remembered whether or not we are behind them now
+            self.finished_at = max([self.finished_at, *(r.version for r in records.values()
+                                                        if r.status in ("done", "left") and r.version >= target)])
+        self._nobody_since = None if live else (now if self._nobody_since is None else self._nobody_since)
         if behind:
             return
-        target = self.cfg.run.max_outer_steps
         finished = [r.version for r in records.values() if r.status == "left" and target and r.version >= target]
-        self.finished_at = max([self.finished_at, *finished])
-        if ((finished or (self.finished_at and whole)) and target is not None and min(versions, default=0) < target
+        gone_long = (self.finished_at > 0 and self._nobody_since is not None
+                     and now - self._nobody_since >= 2 * self.cfg.network.record_ttl)
+        if ((finished or gone_long) and target is not None and min(versions, default=0) < target
                 and not live):
             raise LearnerError(
                 f"the swarm already finished at version {self.finished_at} and no running peer serves that "

@@ -86,7 +86,8 @@ class KeyKinds:
     def __init__(self, size: int = _KEYS_REMEMBERED):
         self._kinds: OrderedDict[bytes, str] = OrderedDict()
         self._size = size
-        self.node_ids: Callable[[], set[bytes]] = set  # the ids of the nodes this process knows (routing lookups)
+        # whether a key id is a node's this process knows (a routing lookup); asked for each key of unknown kind
+        self.is_node: Callable[[bytes], bool] = lambda key_id: False
 
     def remember(self, key_id: bytes, key: object) -> None:
         self._kinds[key_id] = key_kind(key)
@@ -98,7 +99,7 @@ class KeyKinds:
         kind = self._kinds.get(key_id)
         if kind is not None:
             return kind
-        return ROUTING if key_id in self.node_ids() else OTHER
+        return ROUTING if self.is_node(key_id) else OTHER
 
 
 KEYS = KeyKinds()  # this process's (the DHT process's: it is the one that makes and serves DHT RPCs)
@@ -252,7 +253,10 @@ def keyed_node(base: type) -> type:
         @classmethod
         async def create(cls, *args: Any, **kwargs: Any) -> Any:
             node = await super().create(*args, **kwargs)
-            KEYS.node_ids = lambda: {i.to_bytes() for i in node.protocol.routing_table.uid_to_peer_id}
+            # a lookup, not a copy of the table, in each served RPC; DHTIDs are ints (a peer's over-long key id
+            # is no DHTID, and DHTID.from_bytes would raise on it)
+            table = node.protocol.routing_table.uid_to_peer_id
+            KEYS.is_node = lambda key_id: int.from_bytes(key_id, "big") in table
             return node
 
         async def get_many(self, keys: Any, *args: Any, **kwargs: Any) -> Any:

@@ -94,7 +94,7 @@ def test_a_find_and_a_store_are_split_among_the_kinds_of_their_keys():
     kinds = KeyKinds(size=2)
     kinds.remember(b"P", "run_progress")
     kinds.remember(b"G", "run_outer.0b0101")
-    kinds.node_ids = lambda: {b"N"}
+    kinds.is_node = lambda key_id: key_id == b"N"
     counts = TrafficCounts(kinds)
     find = dht_pb2.FindRequest(keys=[b"P", b"G", b"N"])
     found = dht_pb2.FindResponse(results=[dht_pb2.FindResult(value=b"v" * 900), dht_pb2.FindResult(value=b"w" * 90),
